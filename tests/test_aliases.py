@@ -153,6 +153,74 @@ def test_resumed_store_keeps_its_aliases(tmp_path):
     torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
 
 
+def test_resume_whose_first_forward_is_an_empty_batch_keeps_the_aliases(tmp_path):
+    # an empty batch keeps no tensor to compare an alias with: the resume was refused ("gives
+    # '0.output' its own tensor") although model and selection were the same
+    m = _features()
+    xs = [torch.randn(4, 6), torch.randn(0, 6), torch.randn(3, 6), torch.randn(0, 6), torch.randn(2, 6)]
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
+            m(xs[0])
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
+                             store_options={"resume": True}).track(m):
+            for x in xs[1:]:
+                m(x)
+        ref = torch.cat([m[0](x) for x in xs])
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {"0.output": "0.2.output"}
+    assert s.status == "complete" and s.n_rows("0.output") == 9
+    torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
+
+
+def test_resume_refuses_an_alias_that_is_another_tensor_after_an_empty_batch(tmp_path):
+    # the stored alias kept on an empty batch is checked again at the next call with rows
+    class Copies(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.same, self.n = torch.nn.Linear(3, 3), torch.nn.Identity(), 0
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.n += 1
+            return self.same(y if self.n != 3 else y.clone())  # y itself, but a copy at the third call
+
+    m = Copies()
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "s.zarr").track(m):
+            m(torch.randn(2, 3))
+        assert open_store(tmp_path / "s.zarr").aliases == {"same.output": "lin.output"}
+        with pytest.raises(CaptureError, match="'same.output' is stored once, as an alias of 'lin.output'"), \
+                ActivationScope(store=tmp_path / "s.zarr", store_options={"resume": True}).track(m):
+            m(torch.randn(0, 3))
+            m(torch.randn(2, 3))
+    assert m.n == 3  # refused at the call with rows, not at the empty one
+    assert open_store(tmp_path / "s.zarr").n_rows("lin.output") == 2
+
+
+def test_resume_of_a_store_of_empty_batches_keeps_its_arrays(tmp_path):
+    # a first forward of an empty batch stores each hook point as an array of its own (there is
+    # no tensor to compare): a resume with rows made '0.output' an alias again and was refused
+    # ("has an array in this store; it cannot become an alias")
+    m = _features()
+    xs = [torch.randn(0, 6), torch.randn(4, 6), torch.randn(3, 6)]
+    with torch.no_grad():
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
+            m(xs[0])
+        assert open_store(tmp_path / "s.zarr").aliases == {}
+        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
+                             store_options={"resume": True}).track(m):
+            for x in xs[1:]:
+                m(x)
+        ref = torch.cat([m[0](x) for x in xs])
+    s = open_store(tmp_path / "s.zarr")
+    assert s.aliases == {} and s.status == "complete"
+    torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s["0.2.output"][:], ref, rtol=0, atol=0)
+    torch.testing.assert_close(s.reductions["0.output"]["mean"], ref.double().mean(0))
+    assert s.verify() == []
+
+
 class _RaisesOnce(torch.nn.Module):
     """Returns its input (so its output is an alias of the previous module's); raises once."""
 

@@ -2254,8 +2254,12 @@ class Tracker:
             return None  # a writer that cannot store aliases (a rank of a multi-rank capture)
         stored = self.writer.aliases if self.writer is not None else {}
         target = None
-        if self._alias_candidates and not self._core.in_graph and not (
-                self.writer is not None and self.writer.committed_rows(name)):
+        # a hook point the store holds as an array stays one, rows or not (an array of 0 rows:
+        # its first forwards were empty batches, which have no tensor to compare)
+        stored_dtype = getattr(self.writer, "stored_dtype", None)
+        held = self.writer is not None and name not in stored and (
+            self.writer.committed_rows(name) or (stored_dtype is not None and stored_dtype(name) is not None))
+        if self._alias_candidates and not self._core.in_graph and not held:
             # a target has one alias: it keeps its last tensor for one alias check per call
             # (a second alias of it, the same tensor passed twice, as attn(h, h, h), would
             # fail that check from the next forward on)
@@ -2291,6 +2295,12 @@ class Tracker:
                         target = None
                 elif next(self._eval_mode_dropouts(), None) is not None:
                     target = None
+        if (target is None and name in stored and stored[name] in self._sinks and tensor.dim() >= 1
+                and tensor.shape[0] == 0):
+            # an empty batch keeps no rows, and no tensor for an alias to be compared with (the
+            # native sink returns before remembering it): the stored alias stays one, and the
+            # next call with rows is checked against its target's as every later call is
+            target = stored[name]
         if name in stored and target != stored[name]:
             raise CaptureError(
                 f"the resumed store holds hook point {name!r} as an alias of {stored[name]!r} (the same tensor), "
