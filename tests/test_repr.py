@@ -32,3 +32,11 @@ def test_store_reductions_repr_names_them_without_reading_them(tmp_path, monkeyp
     monkeypatch.setattr(Store, "_read_small", read)
     assert repr(store.reductions) == (f"<reductions of {str(path)!r}: {{'0.output': ['mean', 'mean.count'], "
                                       "'1.output': ['mean', 'mean.count']}>")
+
+
+def test_scope_repr_shows_no_storage_options_value():
+    scope = acs.ActivationScope(store="s3://bucket/run.zarr", store_options={
+        "storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}, "resume": True})
+    assert repr(scope) == ("<ActivationScope store='s3://bucket/run.zarr', capture='output', capture_policy=EVERY, "
+                           "store_options={'storage_options': {'key': '...', 'secret': '...'}, 'resume': True}>")
+    assert "AKIAEXAMPLE" not in repr(scope) and "s3cr3t" not in repr(scope)

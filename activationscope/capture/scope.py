@@ -483,7 +483,10 @@ class ActivationScope:
                 r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__) for r in red]
             parts.append(f"reductions={names!r}")
         if self.store_options:
-            parts.append(f"store_options={self.store_options!r}")
+            # (storage_options holds credentials, key / secret / token: its keys only, never their values)
+            shown = {k: ({o: "..." for o in v} if k == "storage_options" and isinstance(v, Mapping) else v)
+                     for k, v in self.store_options.items()}
+            parts.append(f"store_options={shown!r}")
         return f"<ActivationScope {', '.join(parts)}>"
 
     def config(self) -> dict[str, Any]:
