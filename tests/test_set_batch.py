@@ -797,7 +797,7 @@ def test_set_batch_on_a_closed_store_tracker_is_refused_and_the_store_kept(tmp_p
     for kwargs in ({"label": [2, 3]}, {"sample_ids": [5, 6]}, {}):
         with pytest.raises(acs.CaptureError, match=re.escape(
                 f"set_batch on a closed tracker: its store {str(path)!r} is closed (its `with` block ended, or "
-                "close() was called), so the forwards it would describe are not captured; call set_batch and the "
+                "remove() was called), so the forwards it would describe are not captured; call set_batch and the "
                 "model inside the `with scope.track(model)` block, or make a new tracker with "
                 "store_options={'resume': True} to add rows")):
             tracker.set_batch(**kwargs)
@@ -813,3 +813,16 @@ def test_set_batch_before_a_store_tracker_is_entered_describes_its_first_forward
     with tracker, torch.no_grad():
         model(torch.ones(2, 2))
     assert acs.open_store(tmp_path / "s.zarr").row_table("sample")["label"].to_pylist() == [4, 5]
+
+
+def test_set_batch_after_remove_names_the_method_that_closed_the_tracker(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    tracker = acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model).attach()
+    with torch.no_grad():
+        model(torch.ones(2, 2))
+    tracker.remove()
+    with pytest.raises(acs.CaptureError) as info:
+        tracker.set_batch(label=[2, 3])
+    named = re.findall(r"(\w+)\(\) was called", str(info.value))
+    assert named == ["remove"] and all(callable(getattr(tracker, n, None)) for n in named)
+    assert acs.open_store(tmp_path / "s.zarr").n_rows("0.output") == 2

@@ -1943,7 +1943,7 @@ class Tracker:
             # (a loop after the with block: its forwards would run without a hook, stored nowhere)
             raise CaptureError(
                 f"set_batch on a closed tracker: its store {self.writer.path!r} is closed (its `with` block ended, "
-                "or close() was called), so the forwards it would describe are not captured; call set_batch and "
+                "or remove() was called), so the forwards it would describe are not captured; call set_batch and "
                 "the model inside the `with scope.track(model)` block, or make a new tracker with "
                 "store_options={'resume': True} to add rows")
         same_samples = parse_flag(same_samples, "same_samples")  # (same_samples="False" is a true string)
