@@ -380,3 +380,17 @@ def test_snapshot_records_first_read_under_inference_mode_are_ordinary_tensors()
     (rec @ w).square().sum().backward()  # saves rec for backward
     torch.testing.assert_close(w.grad, torch.zeros(3))
     assert tr.activations["0.output"][0] is rec  # the same tensor on every read
+
+
+def test_saved_activations_load_with_torch_load_weights_only(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    x = torch.randn(5, 3)
+    with torch.no_grad(), ActivationScope().track(m) as t:
+        m(x)
+    torch.save(t.activations, tmp_path / "acts.pt")
+    acts = torch.load(tmp_path / "acts.pt", weights_only=True)
+    assert list(acts) == ["0.output", "1.output"]
+    with torch.no_grad():
+        torch.testing.assert_close(acts["0.output"][0], m[0](x), rtol=0, atol=0)
+        torch.testing.assert_close(acts["1.output"][0], m(x), rtol=0, atol=0)

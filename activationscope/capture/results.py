@@ -4,6 +4,7 @@ use them too)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 from ..errors import HookPointNotFoundError, ReductionNotFoundError, hook_point_hint
@@ -46,6 +47,11 @@ class HookPointResults(_Results):
         #: whether the keys are every hook point (a missing one is then no hook point: the names
         #: closest to it are suggested)
         self.hint = hint
+
+    def __reduce__(self):
+        # pickled as an OrderedDict of the same items (torch.save(tracker.activations)): torch.load,
+        # whose weights_only=True loads no class of ours (nor a dict built by a call), reads it back
+        return OrderedDict, (), None, None, iter(self.items())
 
     def _missing_message(self, hook_point: str) -> str:
         return (f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"
