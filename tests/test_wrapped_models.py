@@ -305,6 +305,30 @@ def test_resume_through_another_wrapping_names_the_wrapper(tmp_path, first_wrapp
     assert torch.equal(store[name], torch.cat([model.fc1(x)] * 2).detach())
 
 
+def test_resume_of_a_model_with_a_submodule_named_module_names_no_wrapper(tmp_path):
+    # a plain model whose submodule is called 'module' was told its store's names hold the
+    # attribute of a DataParallel wrapper when resumed with other hook points
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            self.head = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.head(self.module(x))
+
+    model, x, path = Net(), torch.randn(3, 2), tmp_path / "s.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=path).track(model, include=["module"]):
+        model(x)
+    with pytest.raises(acs.CaptureError) as info:
+        with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True}).track(
+                model, include=["head"]):
+            model(x)
+    assert "with other hook points than it holds (it holds ['module.output']" in str(info.value)
+    assert "wrapper" not in str(info.value)
+    assert acs.open_store(path).n_rows("module.output") == 3
+
+
 def test_a_replica_of_a_tracked_module_runs_the_original_forward():
     # what an nn.DataParallel over several devices does at each forward: replicas made by
     # Module._replicate_for_data_parallel share the instance __dict__, so the capture's

@@ -1421,8 +1421,13 @@ class Tracker:
             f"({_names(stored)}): resume with the same include=/exclude=/capture= as the first run, or write the "
             "other hook points into a new store (the store is left as it was)"
         )
-        theirs = [x for x in missing if without_wrappers(x) != x]
-        mine = [n for n, _ in self._modules if without_wrappers(n) != n]
+        # the names of one run are those of the other with a wrapper's attributes: a stored hook
+        # point of a tracked module once those are left out (not a module of the model merely
+        # named 'module', whose names are as in the store)
+        bare = {without_wrappers(n): n for n, _ in self._modules if n}
+        theirs = [x for x in missing if without_wrappers(x) != x
+                  and any(without_wrappers(x).startswith(b + ".") and bare[b] == b for b in bare)]
+        mine = [n for b, n in bare.items() if b != n and any(x.startswith(b + ".") for x in missing)]
         if bool(theirs) != bool(mine):  # one run tracked a wrapper (DataParallel: module.fc1), the other not
             self._refused += (
                 f". The {'store' if theirs else 'capture'}'s names hold a wrapper's attribute "
