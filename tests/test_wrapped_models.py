@@ -329,6 +329,29 @@ def test_resume_of_a_model_with_a_submodule_named_module_names_no_wrapper(tmp_pa
     assert acs.open_store(path).n_rows("module.output") == 3
 
 
+def test_include_on_a_model_with_a_submodule_named_module_names_no_wrapper():
+    # a plain model holding a submodule called 'module' (and others) was told its modules are
+    # named with the attributes of wrappers and to track 'the wrapped model itself'
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Sequential()
+            self.module.add_module("fc1", torch.nn.Linear(2, 2))
+            self.head = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.head(self.module(x))
+
+    with pytest.raises(acs.HookPointNotFoundError) as info:
+        acs.ActivationScope().track(Net(), include=["fc1"])
+    assert str(info.value).startswith("include pattern 'fc1' matches no module of Net")
+    assert "wrapper" not in str(info.value)
+    with pytest.raises(acs.HookPointNotFoundError, match=re.escape(
+            "the modules of DataParallel are named with the attributes of the wrappers that hold them "
+            "('module.module.fc1' for 'module.fc1'): include=['module.module.fc1']")):
+        acs.ActivationScope().track(torch.nn.DataParallel(Net()), include=["module.fc1"])
+
+
 def test_a_replica_of_a_tracked_module_runs_the_original_forward():
     # what an nn.DataParallel over several devices does at each forward: replicas made by
     # Module._replicate_for_data_parallel share the instance __dict__, so the capture's

@@ -651,6 +651,27 @@ def without_wrappers(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPED_ATTRS)
 
 
+def _without_wrappers_of(model: torch.nn.Module, name: str) -> str:
+    """:func:`without_wrappers` of ``name`` of ``model``, leaving out only the attributes of
+    modules that are wrappers: a ``module`` child of an ``nn.DataParallel`` /
+    ``DistributedDataParallel`` or of a module holding that child only (not the submodule
+    ``module`` of a model that holds others: its names are as written)."""
+    kept: list[str] = []
+    holder: torch.nn.Module | None = getattr(model, "_orig_mod", model)  # (a torch.compile'd model: as in it)
+    for part in name.split("."):
+        child = holder._modules.get(part) if holder is not None else None
+        if part in _WRAPPED_ATTRS and isinstance(child, torch.nn.Module) and (
+                part != "module" or isinstance(holder, _DATA_PARALLEL) or list(holder._modules) == ["module"]):
+            holder = child
+            continue
+        kept.append(part)
+        holder = child if isinstance(child, torch.nn.Module) else None
+    return ".".join(kept)
+
+
+_DATA_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
 def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str, noun: str = "modules",
                  spelled: str | None = None) -> str:
     """For a pattern that selects no module of ``model`` but would, were the wrappers'
@@ -659,7 +680,7 @@ def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argumen
     that tracking the wrapped model itself names hook points as in it. Else ``""``."""
     unwrapped: dict[str, list[str]] = {}
     for n in names:
-        bare = without_wrappers(n)
+        bare = _without_wrappers_of(model, n)
         if bare != n and bare:
             unwrapped.setdefault(bare, []).append(n)
     hits = pattern_hits(pattern, list(unwrapped))
@@ -676,7 +697,8 @@ def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argumen
         shown = spelled.format(repr(written) if isinstance(written, str) else shown)
     hint = (f": the {noun} of {type(model).__name__} are named with the attributes of the wrappers that hold them "
             f"({real[0]!r} for {hits[0]!r}): {argument}={shown}")
-    inner = next((a for a in _WRAPPED_ATTRS if isinstance(model._modules.get(a), torch.nn.Module)), None)
+    inner = next((a for a in _WRAPPED_ATTRS if isinstance(model._modules.get(a), torch.nn.Module)
+                  and _without_wrappers_of(model, a) == ""), None)
     if inner is not None:
         hint += (f", or track the wrapped model itself (model.{inner}, a {type(model._modules[inner]).__name__}): its "
                  "hook points are then named as without the wrapper")
