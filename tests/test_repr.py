@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import activationscope as acs
@@ -40,3 +42,15 @@ def test_scope_repr_shows_no_storage_options_value():
     assert repr(scope) == ("<ActivationScope store='s3://bucket/run.zarr', capture='output', capture_policy=EVERY, "
                            "store_options={'storage_options': {'key': '...', 'secret': '...'}, 'resume': True}>")
     assert "AKIAEXAMPLE" not in repr(scope) and "s3cr3t" not in repr(scope)
+
+
+def test_scope_repr_names_named_reductions_and_their_patterns():
+    def sq(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum(0) if acc is None else acc + x.square().sum(0)
+
+    scope = acs.ActivationScope(reductions=[("m2", "mean"), ("squares", sq), "var"])
+    assert repr(scope) == ("<ActivationScope store=memory, capture='output', capture_policy=EVERY, "
+                           "reductions=['m2', 'squares', 'var']>")
+    scope = acs.ActivationScope(reductions={"0.*": ["mean"], "1.*": [("m2", "mean"), sq]})
+    assert repr(scope) == ("<ActivationScope store=memory, capture='output', capture_policy=EVERY, "
+                           "reductions={'0.*': ['mean'], '1.*': ['m2', 'sq']}>")

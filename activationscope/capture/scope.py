@@ -478,10 +478,15 @@ class ActivationScope:
                                                          else type(self.store).__name__)
         parts = [f"store={where}", f"capture={self.capture!r}", f"capture_policy={self.capture_policy.name}"]
         if self.reductions:  # (names: a custom reduction's repr may be a whole TorchScript module)
+            def names(specs: Any) -> list[str]:
+                specs = [specs] if isinstance(specs, (str, os.PathLike)) or callable(specs) else specs
+                return [r if isinstance(r, str) else os.fspath(r) if isinstance(r, os.PathLike)
+                        else r[0] if isinstance(r, tuple) and r and isinstance(r[0], str)
+                        else getattr(r, "__name__", type(r).__name__) for r in specs]
+
             red = self.reductions
-            names = list(red) if isinstance(red, Mapping) else [
-                r if isinstance(r, str) else getattr(r, "__name__", type(r).__name__) for r in red]
-            parts.append(f"reductions={names!r}")
+            shown = {p: names(v) for p, v in red.items()} if isinstance(red, Mapping) else names(red)
+            parts.append(f"reductions={shown!r}")
         if self.store_options:
             # (storage_options holds credentials, key / secret / token: its keys only, never their values)
             shown = {k: ({o: "..." for o in v} if k == "storage_options" and isinstance(v, Mapping) else v)
