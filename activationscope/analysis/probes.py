@@ -182,13 +182,16 @@ def _is_bool(v: Any) -> bool:
 def _columns_note(store: Any, hook_point: str, label_column: str) -> str:
     """``"; its columns are [...]"`` of the row tables that label ``hook_point``'s rows (the
     sample table's, and the token table's first for token rows), with the closest to
-    ``label_column`` (a typo); ``""`` when they cannot be read."""
+    ``label_column`` (a typo); where ``label_column`` is one of them, that no sample has a label
+    there; ``""`` when they cannot be read."""
     names: list[str] = []
     try:
         for kind in ("token", "sample") if store.row_kind(hook_point) == "token" else ("sample",):
             names += [c for c in store.row_table(kind).column_names if c not in names]
     except (ActivationScopeError, AttributeError):  # (no reason to fail a probe: the note only helps)
         return ""
+    if label_column in names:  # (the column is there: not one of its samples is labelled)
+        return f"; every sample's {label_column!r} is missing, -1, -100 or empty"
     return f"; its columns are {names}{column_hint([label_column], names)}; pass label_column= one of them"
 
 

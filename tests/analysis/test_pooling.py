@@ -422,6 +422,19 @@ def test_probe_store_of_a_mistyped_label_column_names_the_columns_there_are(tmp_
     assert "d.0.output" in probe_store(store, "d.0.output", label_column="label")
 
 
+def test_probe_store_of_a_label_column_without_labels_says_so(tmp_path):
+    # the column is there, every label -1: the reason said "did you mean ['label'] for 'label'?; pass
+    # label_column= one of them", the column it was given
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with acs.ActivationScope(store=str(tmp_path / "p.zarr")).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(label=[-1] * 8)
+        model(torch.randn(8, 4))
+    got = probe_store(str(tmp_path / "p.zarr"), "0.output", label_column="label")
+    assert dict(got) == {} and got.skipped == {
+        "0.output": "the row table has no labelled 'label' column; every sample's 'label' is missing, -1, -100 or "
+                    "empty"}
+
+
 def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):
     from activationscope.errors import ArgumentValueError
 
