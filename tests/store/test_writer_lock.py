@@ -643,7 +643,8 @@ def test_a_second_capture_while_a_tracker_of_this_process_holds_the_store_names_
     with torch.no_grad():
         model(torch.ones(3, 2))
     with pytest.raises(acs.StoreLockedError, match=r"still open: close it first \(leave its `with` block, or call "
-                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)$"):
+                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)\nit is held by a tracker of "
+                                                   r"Sequential attached in this process and not closed"):
         acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model).attach()
     first.remove()  # (what the message says releases it)
     assert acs.open_store(path).status == "complete" and acs.open_store(path).n_rows("0.output") == 3
