@@ -398,7 +398,10 @@ class InterruptAt:
         sys.settrace(None)
 
     def _call(self, frame, event, arg):
-        return self._line if f"activationscope{'/'}" in frame.f_code.co_filename.replace("\\", "/") else None
+        # (not in a __del__: one raised there is printed and ignored, as a signal delivered there is,
+        # and when the garbage collector runs one varies from run to run)
+        return self._line if f"activationscope{'/'}" in frame.f_code.co_filename.replace("\\", "/") \
+            and frame.f_code.co_name != "__del__" else None
 
     def _line(self, frame, event, arg):
         # Not at the line of a `with` statement (the event there also comes before its __exit__

@@ -127,11 +127,11 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
 
     Parameters
     ----------
-    labels : sequence (rows,)
-        Any hashable labels.
+    labels : sequence or Tensor (rows,)
+        Any hashable labels (0-d tensors and arrays are taken as their values).
     n_folds : int
         Folds asked for, at least 2.
-    groups : sequence (rows,), optional
+    groups : sequence or Tensor (rows,), optional
         The sample of each row.
 
     Returns
@@ -141,11 +141,16 @@ def choose_folds(labels: Sequence[Any], n_folds: int, groups: Sequence[Any] | No
 
     Raises
     ------
+    ArgumentTypeError
+        ``labels`` or ``groups`` holding an entry that is no single hashable value (a list).
     ValueError
         Fewer than 2 classes, a class with a single sample, bool labels mixed with others
-        (``True == 1``), or ``n_folds`` not an int of at least 2 (ArgumentValueError).
+        (``True == 1``), ``labels`` or ``groups`` a tensor or array that is not 1-D, or
+        ``n_folds`` not an int of at least 2 (ArgumentValueError).
     """
     n_folds = _check_n_folds(n_folds)
+    labels = _one_per_row(labels, "labels")
+    groups = None if groups is None else _one_per_row(groups, "groups")
     _check_label_types(labels)
     units = _units(labels, groups)
     if units is None:
@@ -177,20 +182,24 @@ def _is_bool(v: Any) -> bool:
 def _columns_note(store: Any, hook_point: str, label_column: str) -> str:
     """``"; its columns are [...]"`` of the row tables that label ``hook_point``'s rows (the
     sample table's, and the token table's first for token rows), with the closest to
-    ``label_column`` (a typo); ``""`` when they cannot be read."""
+    ``label_column`` (a typo); where ``label_column`` is one of them, that no sample has a label
+    there; ``""`` when they cannot be read."""
     names: list[str] = []
     try:
         for kind in ("token", "sample") if store.row_kind(hook_point) == "token" else ("sample",):
             names += [c for c in store.row_table(kind).column_names if c not in names]
     except (ActivationScopeError, AttributeError):  # (no reason to fail a probe: the note only helps)
         return ""
+    if label_column in names:  # (the column is there: not one of its samples is labelled)
+        return f"; every sample's {label_column!r} is missing, -1, -100 or empty"
     return f"; its columns are {names}{column_hint([label_column], names)}; pass label_column= one of them"
 
 
 def _check_one_per_row(values: Any, what: str) -> None:
     """Refuse ``labels`` / ``groups`` that are not one hashable value per row: a tensor or
     array of another shape than ``(rows,)`` (one-hot labels ``(rows, n_classes)``), or entries
-    that are lists (their classes could not be counted)."""
+    that are lists (their classes could not be counted) or tensors of a dimension or more
+    (hashed by identity: each would be a class, a group, of its own)."""
     shape = getattr(values, "shape", None)
     if isinstance(values, (torch.Tensor, np.ndarray)) and len(shape) != 1:
         raise ArgumentValueError(
@@ -201,11 +210,26 @@ def _check_one_per_row(values: Any, what: str) -> None:
     values = values if isinstance(values, (list, tuple)) else []  # (another iterable: checked once a list)
     for i, v in enumerate(values):
         try:
+            if isinstance(v, torch.Tensor):
+                raise TypeError(v)
             hash(v)
         except TypeError:
             raise ArgumentTypeError(
                 f"{what} must hold one hashable value per row of x (an int, a str, ...), got {type(v).__name__} "
                 f"{v!r} at row {i}") from None
+
+
+def _one_per_row(values: Any, what: str) -> list[Any]:
+    """``labels`` / ``groups`` as a list of one hashable value per row, checked by
+    :func:`_check_one_per_row`; 0-d tensors and arrays (``list(tensor)`` holds them) become their
+    Python values, as ``tensor.tolist()`` gives them (a tensor hashes by identity: each row
+    would be a class, a group, of its own)."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        _check_one_per_row(values, what)  # (its shape: (rows, n_classes) one-hot labels are named so)
+    values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    values = [v.item() if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v for v in values]
+    _check_one_per_row(values, what)
+    return values
 
 
 def _check_label_types(labels: Sequence[Any]) -> None:
@@ -407,7 +431,8 @@ def probe_accuracy(
         would drop their imaginary parts): pass ``torch.view_as_real(x)`` (real and imaginary
         parts as features), ``x.abs()`` or ``x.real``.
     labels : sequence or Tensor (rows,)
-        Any hashable labels (ints, strings); at least 2 classes. Bools mixed with other
+        Any hashable labels (ints, strings; 0-d tensors and arrays, as ``list(tensor)``
+        holds, are taken as their values); at least 2 classes. Bools mixed with other
         labels are refused (``True == 1`` would merge two classes).
     n_folds : int, default 5
         Number of folds, at least 2 and at most the smallest class's size.
@@ -461,11 +486,7 @@ def probe_accuracy(
         raise ArgumentTypeError(f"x must be real, got {x.dtype}: {COMPLEX_ADVICE}")
     if not x.dtype.is_floating_point:  # (a float x stays in its dtype: each fold is made float64)
         x = x.to(torch.float64)
-    _check_one_per_row(labels, "labels")
-    if isinstance(labels, torch.Tensor):
-        labels = labels.tolist()
-    labels = list(labels)
-    _check_one_per_row(labels, "labels")
+    labels = _one_per_row(labels, "labels")
     if len(labels) != x.shape[0]:
         raise ArgumentValueError(f"labels has {len(labels)} entries, expected one per row of x ({x.shape[0]})")
     _check_label_types(labels)
@@ -476,9 +497,7 @@ def probe_accuracy(
             "itself): leave those rows out first, e.g. keep = ~torch.isnan(labels); probe_accuracy(x[keep], "
             "labels[keep]) (probe_store leaves samples with a NaN or missing label out itself)")
     if groups is not None:
-        _check_one_per_row(groups, "groups")
-        groups = groups.tolist() if isinstance(groups, torch.Tensor) else list(groups)
-        _check_one_per_row(groups, "groups")
+        groups = _one_per_row(groups, "groups")
         if len(groups) != len(labels):
             raise ArgumentValueError(f"groups has {len(groups)} entries, expected one per row of x ({len(labels)})")
     x, labels, n_dropped, dropped_note, kept = _drop_nonfinite_rows(x, labels)

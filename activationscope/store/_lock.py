@@ -159,6 +159,11 @@ class WriterLock:
                 # traceback a notebook keeps would hold it for as long
                 self._held = True
                 self.discard_root()
+            elif self.created_root and isinstance(self.backend, LocalBackend):
+                try:  # (the folder it made, left as it was found when nothing is in it)
+                    self.backend.root.rmdir()
+                except OSError:
+                    pass
             raise
 
     def _locked_error(self, holder: bytes | None, extra: str = "") -> StoreLockedError:
@@ -234,9 +239,11 @@ class WriterLock:
 
         root = self.backend.root
         if not root.exists():
+            self.created_root = True  # (set first: a Ctrl-C just after mkdir leaves no folder behind)
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError as e:
+                self.created_root = False
                 if root.is_symlink():  # (a link to nothing: 'File exists' would say nothing of it)
                     raise StoreError(f"store {str(self.backend)!r}: its path is a symbolic link to "
                                      f"{os.readlink(root)!r}, which does not exist; create that folder (the store "
@@ -244,7 +251,6 @@ class WriterLock:
                 raise StoreError(f"store {str(self.backend)!r}: cannot create its folder: {e.strerror or e} "
                                  f"({e.filename or root}); choose a store path where this process may create "
                                  "folders") from e
-            self.created_root = True
         path = root / LOCK_KEY
         fd: int | None = None  # (open, not yet this lock's: closed by the handler below)
         try:
@@ -283,7 +289,15 @@ class WriterLock:
             if self._fd is not None:  # (fd is None, or this one)
                 self.discard_root()
             elif fd is not None:
-                os.close(fd)
+                try:  # (in a folder this lock made: the lock file it made goes, while this fd locks it)
+                    if self.created_root and created:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                            path.unlink()
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
             raise
 
     def _acquire_marker(self) -> None:

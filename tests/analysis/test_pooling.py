@@ -263,6 +263,35 @@ def test_probe_accuracy_names_labels_or_groups_that_are_not_one_value_per_row(la
     assert probe_accuracy(x, torch.nn.functional.one_hot(torch.arange(20) % 2).argmax(1)).n_classes == 2
 
 
+def test_labels_and_groups_given_as_lists_of_scalar_tensors_are_their_values():
+    # list(tensor) holds 0-d tensors, which hash by identity: each row was a group of its own
+    # (the groups silently ignored: folds not grouped) and each label a class of one row
+    y = torch.tensor([0, 1] * 20)
+    g = torch.arange(40) // 4
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(0)) + 3.0 * y[:, None]
+    want = probe_accuracy(x, y, n_folds=2, groups=g)
+    assert want.n_groups == 10
+    for labels, groups in [(list(y), list(g)), (list(y.numpy()), [np.array(v) for v in g.tolist()])]:
+        got = probe_accuracy(x, labels, n_folds=2, groups=groups)
+        assert (got.n_classes, got.n_groups, got.fold_accuracies) == (2, 10, want.fold_accuracies)
+    assert choose_folds(list(y), 3, groups=list(g)) == choose_folds(y.tolist(), 3, groups=g.tolist()) == (3, "")
+    with pytest.raises(ArgumentTypeError, match=r"labels must hold one hashable value per row of x .*got Tensor "
+                                                r"tensor\(\[0, 1\]\) at row 0"):
+        probe_accuracy(x[:20], list(torch.nn.functional.one_hot(y[1:21])))
+
+
+@pytest.mark.parametrize("labels, groups, cls, match", [
+    (np.eye(2)[[0, 1] * 10], None, ArgumentValueError,
+     r"labels must be 1-D, one value per row of x, got shape \(20, 2\); for one-hot labels pass labels\.argmax\(1\)"),
+    ([[i % 2] for i in range(20)], None, ArgumentTypeError, r"labels must hold one hashable value .* at row 0"),
+    ([0, 1] * 10, [[i] for i in range(20)], ArgumentTypeError, r"groups must hold one hashable value .* at row 0"),
+])
+def test_choose_folds_names_labels_or_groups_that_are_not_one_value_per_row(labels, groups, cls, match):
+    # as probe_accuracy: choose_folds raised Python's "unhashable type" from inside
+    with pytest.raises(cls, match=match):
+        choose_folds(labels, 2, groups=groups)
+
+
 def test_folds_may_be_numpy_ints():
     labels = [0, 1] * 10
     assert choose_folds(labels, np.int64(3)) == (3, "")
@@ -391,6 +420,19 @@ def test_probe_store_of_a_mistyped_label_column_names_the_columns_there_are(tmp_
         "d.0.output": "the row table has no labelled 'lable' column; its columns are ['sample_id', 'batch', 'label']; "
                       "did you mean ['label'] for 'lable'?; pass label_column= one of them"}
     assert "d.0.output" in probe_store(store, "d.0.output", label_column="label")
+
+
+def test_probe_store_of_a_label_column_without_labels_says_so(tmp_path):
+    # the column is there, every label -1: the reason said "did you mean ['label'] for 'label'?; pass
+    # label_column= one of them", the column it was given
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with acs.ActivationScope(store=str(tmp_path / "p.zarr")).track(model) as tracker, torch.no_grad():
+        tracker.set_batch(label=[-1] * 8)
+        model(torch.randn(8, 4))
+    got = probe_store(str(tmp_path / "p.zarr"), "0.output", label_column="label")
+    assert dict(got) == {} and got.skipped == {
+        "0.output": "the row table has no labelled 'label' column; every sample's 'label' is missing, -1, -100 or "
+                    "empty"}
 
 
 def test_sentence_rows_of_a_pattern_needs_exactly_one_hook_point(tmp_path):

@@ -643,7 +643,8 @@ def test_a_second_capture_while_a_tracker_of_this_process_holds_the_store_names_
     with torch.no_grad():
         model(torch.ones(3, 2))
     with pytest.raises(acs.StoreLockedError, match=r"still open: close it first \(leave its `with` block, or call "
-                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)$"):
+                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)\nit is held by a tracker of "
+                                                   r"Sequential attached in this process and not closed"):
         acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model).attach()
     first.remove()  # (what the message says releases it)
     assert acs.open_store(path).status == "complete" and acs.open_store(path).n_rows("0.output") == 3
@@ -699,3 +700,25 @@ def test_ctrl_c_while_taking_the_lock_keeps_no_lock(tmp_path):
             pytest.fail(f"Ctrl-C at {where.where} kept the lock: {e}")
         other.discard_root()
     assert count.n >= k - 1 and not interrupted.value.args
+
+
+def test_ctrl_c_while_taking_the_lock_of_a_new_store_leaves_no_folder(tmp_path):
+    # Ctrl-C after the lock made the store's folder (and its lock file) but before it held the
+    # lock left that folder behind, with the lock file in it
+    from acs_testing import InterruptAt
+
+    from activationscope.store._backend import LocalBackend
+    from activationscope.store._lock import WriterLock
+
+    with InterruptAt(None) as count:
+        WriterLock(LocalBackend(tmp_path / "count.zarr")).acquire().discard_root()
+    for k in range(1, count.n + 1):
+        path = tmp_path / f"s{k}.zarr"
+        lock = WriterLock(LocalBackend(path))
+        try:
+            with InterruptAt(k) as where:
+                lock.acquire()
+        except KeyboardInterrupt:
+            assert not path.exists(), f"Ctrl-C at {where.where} left {sorted(os.listdir(path))} in a new folder"
+        else:
+            lock.discard_root()
