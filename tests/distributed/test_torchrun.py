@@ -219,12 +219,20 @@ def test_an_overwrite_under_torchrun_records_its_run_in_every_rank_store_and_res
         assert torch.equal(st[hp].view(torch.int32), ref[hp].view(torch.int32))
 
 
-@pytest.mark.parametrize("where,how", [("local", "exit"), ("local", "sigkill"), ("s3", "exit")])
-def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, request, where, how):
+@pytest.mark.parametrize("where,how,stall", [("local", "exit", False), ("local", "sigkill", False),
+                                             ("local", "sigkill", True), ("s3", "exit", False)],
+                         ids=["local-exit", "local-sigkill", "local-sigkill-rank0-unstarted", "s3-exit"])
+def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tmp_path, request, capsys, where, how,
+                                                                    stall):
     """Rank 1 dies mid-forward (os._exit, or SIGKILL of its pid). The root opens incomplete
     with every row the ranks committed (rank 0's, then rank 1's, read from the rank stores,
     with a rank column); resuming ends byte-identical to an uninterrupted run. The same on
-    S3 (a moto server): the rank stores' rows are read from the bucket."""
+    S3 (a moto server): the rank stores' rows are read from the bucket. ``stall``: rank 0 is
+    stopped while it creates its rank store (its folder and lock made, no root document yet),
+    as on a loaded machine: the root shows rank 1 alone, consolidate names rank 0 missing and
+    writes nothing, and the resume ends byte-identical all the same."""
+    from activationscope import cli
+
     ref_path, one_path, _ = captured
     if where == "s3":
         store = _Where(f"s3://acs-ranks/killed-{how}.zarr", request.getfixturevalue("s3"))
@@ -233,7 +241,7 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     tmp = tmp_path / "tmp"  # TMPDIR of the ranks: a remote store's staging folders, torchrun's own files
     tmp.mkdir()
     out = _torchrun(store.url, "--die-at-batch", "17", "--die-rank", "1", "--die-how", how, *store.args(),
-                    env={"TMPDIR": str(tmp)})
+                    *(["--stall-before-rank-root"] if stall else []), env={"TMPDIR": str(tmp)})
     assert out.returncode != 0
     assert ("exitcode: 3" if how == "exit" else "exitcode: -9") in out.stderr
     # a killed process removes nothing: rank 1's staging folder stays (and rank 0's, when
@@ -249,12 +257,32 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
     assert rank1.row_table("sample").column("sample_id").to_pylist() == ref_rank1[:committed].tolist()
     # the root: incomplete, every committed row of every rank (no copy: views of the rank shards)
     opened = store.open()
-    rank0 = store.open("ranks/00000")
-    assert opened.status == "incomplete" and opened.ranks == [0, 1]
-    assert opened.n_samples == rank0.n_samples + committed  # rank 0 may have been stopped before its first commit
+    # torchrun stops rank 0 once rank 1 died: on a loaded machine (or with stall) before it wrote
+    # its rank store's root document, or its first commit (a rank store that records no run yet):
+    # then it shows no row, and the resume starts it
+    assert opened.status == "incomplete" and opened.ranks in ([0, 1], [1])
+    rank0 = store.open("ranks/00000") if opened.ranks == [0, 1] else None
+    if rank0 is None:
+        root0 = store.files("ranks/00000").get("ranks/00000/zarr.json")
+        assert root0 is None or "rank_store" not in json.loads(root0)["attributes"]["activationscope"]
+        assert opened.attrs["distributed"].get("other_runs", []) == ([] if root0 is None else [0])
+        if where == "local":
+            pending = opened.info()["pending_ranks"]
+            assert pending["missing"] == [0] and pending["other_runs"] == ([] if root0 is None else [0])
+            assert pending["incomplete"] == [1] and not pending["ready"]
+    if stall:  # (rank 0 made its rank store's folder and lock, then stopped)
+        assert rank0 is None and sorted(store.files("ranks/00000")) == ["ranks/00000/.activationscope-writer.lock"]
+        before = store.files("")
+        capsys.readouterr()
+        assert cli.main(["consolidate", store.url]) == 1
+        err = capsys.readouterr().err
+        assert "rank(s) [0] are missing" in err and "nothing was written" in err
+        assert store.files("") == before
+    n0 = 0 if rank0 is None else rank0.n_samples
+    assert opened.n_samples == n0 + committed  # rank 0 may have been stopped before its first commit
     table = opened.row_table("sample")
     ids = np.asarray(table.column("sample_id"))
-    assert table.column("rank").to_pylist() == [0] * rank0.n_samples + [1] * committed
+    assert table.column("rank").to_pylist() == [0] * n0 + [1] * committed
     one = acs.open_store(one_path)  # one process, same batches: the row of each sample id
     row_of = {s: i for i, s in enumerate(one.row_table("sample").column("sample_id").to_pylist())}
     index = torch.tensor([row_of[s] for s in ids.tolist()])
@@ -265,7 +293,7 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
         assert torch.equal(got.view(torch.int32), one[hp][index].view(torch.int32))
         bounds, views = opened.row_blocks(hp)
         assert bounds[0] == 0 and bounds[-1] == len(ids) and views == (store.options is None)  # S3: no mapping
-        n0 = rank0.n_rows(hp)
+        n0 = 0 if rank0 is None else rank0.n_rows(hp)
         assert torch.equal(opened.rows(hp, n0, n0 + 3), rank1.rows(hp, 0, 3))
         x = acs.to_dask(opened, hp)  # one block per shard of each rank store
         per = job.STORE_OPTIONS["shard_rows"]
@@ -273,7 +301,7 @@ def test_a_killed_rank_leaves_rank_stores_and_resume_ends_identical(captured, tm
         assert np.array_equal(x.compute(), got.numpy()) and list(x.chunks[0]) == blocks
     assert list(opened.reductions) == []  # nothing merged yet
     if where == "local":  # info() is the same code on S3, and its requests are slow on moto
-        assert opened.info()["rank_stores"] == [0, 1] and opened.info()["n_samples"] == len(ids)
+        assert opened.info()["rank_stores"] == opened.ranks and opened.info()["n_samples"] == len(ids)
     assert opened.verify() == []
     ds = acs.ActivationDataset(store.url, hook_points=one.hook_points[:1],
                                open_options={"storage_options": store.options} if store.options else None)

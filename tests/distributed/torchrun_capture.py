@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 torchrun_capture.py STORE [--resume] [--overwrite] [--die-at-batch K --die-rank R
                                                                          [--die-once] [--die-how exit|sigkill]] [--plain-init]
-                                                                         [--storage-options JSON]
+                                                                         [--storage-options JSON] [--stall-before-rank-root]
 
 Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
 is seeded by b). The dying rank dies inside the forward of batch K (``os._exit(3)``, or
@@ -16,6 +16,9 @@ rank 0's preparation of the store (``prepare_root``) takes S seconds more. ``--f
 R's store fails to open (a StoreError) before its capture starts; the script catches it, prints
 it, and its process stays alive ``--alive-s`` seconds more before it exits. ``--fail-attach-rank R``: rank
 R's store opens, then wrapping its modules fails (a RuntimeError), caught and printed the same way.
+``--stall-before-rank-root``: rank 0 stops once its rank store's folder and lock are made, before
+its root document (``zarr.json``) is written, and waits there (at most 300 s, then ``os._exit(4)``)
+for torchrun to stop it once another rank dies: a rank stopped while it was still creating its rank store.
 With ``ACS_TEST_NO_GLOO_GROUP=1`` in the environment, ``torch.distributed.new_group(backend="gloo")``
 raises, as where gloo finds no network interface (the default group is made without it).
 """
@@ -82,6 +85,7 @@ def main() -> None:
     p.add_argument("--fail-open-rank", type=int, default=-1)
     p.add_argument("--alive-s", type=float, default=0.0)
     p.add_argument("--fail-attach-rank", type=int, default=-1)
+    p.add_argument("--stall-before-rank-root", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -113,6 +117,15 @@ def main() -> None:
             return prepare_root(*a, **kw)
 
         ranks.prepare_root = slow_prepare_root
+    if rank == 0 and args.stall_before_rank_root:
+        from activationscope.store import writer
+
+        def stalled_root(backend, *a, **kw):  # (the folder and the writer lock exist; zarr.json not yet)
+            print("rank 0 stalls before the root document of its rank store", flush=True)
+            time.sleep(300)  # (bounded: torchrun stops it long before)
+            os._exit(4)
+
+        writer.write_root_first = stalled_root
     if rank == args.fail_open_rank:
         from activationscope.store import writer
 
