@@ -1599,6 +1599,42 @@ def test_store_options_that_are_not_a_dict_are_named(tmp_path, options):
     assert not (tmp_path / "s.zarr").exists()
 
 
+@pytest.mark.parametrize("kwargs, fix", [
+    ({"overwrite": True}, "store_options={'overwrite': True}"),
+    ({"resume": True}, "store_options={'resume': True}"),
+    ({"compression": "zstd:5"}, "store_options={'compression': 'zstd:5'}"),
+    # a writer option next to store_options: the fix keeps those
+    ({"overwrite": True, "store_options": {"chunk_rows": 4}}, "store_options={'chunk_rows': 4, 'overwrite': True}"),
+])
+def test_an_unknown_keyword_that_is_a_store_option_names_store_options(tmp_path, kwargs, fix):
+    # overwrite=True given to the scope itself (after a store-exists error) was Python's own
+    # "unexpected keyword argument" TypeError, without the fix
+    with pytest.raises(ArgumentTypeError, match="unexpected keyword argument .*an option of the store writer") as info:
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), **kwargs)
+    assert fix in str(info.value)
+    assert isinstance(info.value, TypeError)  # (except TypeError keeps working)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("key, fix", [
+    ("captur", "did you mean capture=, capture_mode=, capture_policy=?"),
+    ("stor", "did you mean store=, storage=?"),
+    ("storage_dtyp", "did you mean storage_dtype="),
+    ("compresion", "did you mean the store writer option 'compression', given as store_options={'compression': 1}?"),
+    ("foo", "its parameters are ['capture', 'capture_policy'"),
+])
+def test_an_unknown_keyword_names_the_closest_parameters(key, fix):
+    with pytest.raises(ArgumentTypeError, match=f"unexpected keyword argument '{key}'") as info:
+        acs.ActivationScope(**{key: 1})
+    assert fix in str(info.value)
+
+
+def test_positional_arguments_are_still_refused_by_python():
+    with pytest.raises(TypeError, match="positional argument") as info:
+        acs.ActivationScope("s.zarr")
+    assert not isinstance(info.value, ArgumentTypeError)
+
+
 def test_store_writer_check_options_takes_every_store_option_with_its_default():
     # ActivationScope checks store_options with StoreWriter.check_options(**options): an option
     # StoreWriter takes and check_options lacks would fail there as an unexpected keyword

@@ -195,6 +195,38 @@ def _parse_enum(value: Any, cls: type[enum.Enum], argument: str) -> enum.Enum:
     raise ArgumentValueError(f"{argument} must be one of [{choices}], got {value!r}")
 
 
+def _refuse_unknown_keywords(unknown: Mapping[str, Any], store_options: Any) -> None:
+    """Raise ArgumentTypeError for keywords ActivationScope does not take, naming the fix."""
+    import difflib
+    import reprlib
+
+    params = [n for n in inspect.signature(ActivationScope.__init__).parameters if n not in ("self", "unknown")]
+    valid = writer_options()
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = 60
+    for key in unknown:
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, params, n=3, cutoff=0.6)
+        near_writer = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        if close:
+            fix = f"did you mean {', '.join(f'{c}=' for c in close)}?"
+        elif near_writer:
+            fix = (f"did you mean the store writer option {near_writer[0]!r}, given as "
+                   f"store_options={{{near_writer[0]!r}: {shown.repr(unknown[key])}}}?")
+        else:
+            fix = f"its parameters are {params}, and store_options= takes the store writer's options {valid}"
+        raise ArgumentTypeError(f"ActivationScope got an unexpected keyword argument {key!r}; {fix}")
+    for_writer = dict(unknown)
+    merged = {**(dict(store_options) if isinstance(store_options, Mapping) else {}), **for_writer}
+    fix = "{" + ", ".join(f"{k!r}: {shown.repr(v)}" for k, v in merged.items()) + "}"
+    raise ArgumentTypeError(
+        f"ActivationScope got unexpected keyword argument{'s' if len(for_writer) > 1 else ''} "
+        f"{', '.join(map(repr, for_writer))}: "
+        f"{'options' if len(for_writer) > 1 else 'an option'} of the store writer, which ActivationScope takes "
+        f"through store_options; pass ActivationScope(store=..., store_options={fix})")
+
+
 def _check_store_options(options: Mapping[str, Any]) -> None:
     valid = writer_options()
     for key in options:
@@ -335,10 +367,17 @@ class ActivationScope:
         ``CaptureWarning`` says so). Forwards that the capture policy
         skips run in full and return their output. See the capture guide for what it
         assumes (every forward reaches the same hook points in the same order).
+    **unknown
+        Any other keyword is refused with :class:`~activationscope.errors.ArgumentTypeError`
+        naming the fix: an option of the store writer (``overwrite=True``, ``resume=True``,
+        ``compression=...``) goes in ``store_options={'overwrite': True}``; another name is
+        answered with the closest parameter names.
 
     Raises
     ------
     TypeError
+        A keyword that is not a parameter (a store writer option given directly, or a typo:
+        the message names the fix);
         ``capture=`` given a CapturePolicy (use ``capture_policy=``), or a ``token_rows``
         that is not a bool or a dict of pattern to bool; ``store_options`` that is not a dict; a
         ``store_options`` key the writer
@@ -379,7 +418,10 @@ class ActivationScope:
         token_rows: bool | Mapping[str, bool] | None = None,
         stop_after_last: bool = False,
         exclude_hook_points: Iterable[str] | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            _refuse_unknown_keywords(unknown, store_options)
         self.capture = _parse_capture(capture)
         self.token_rows = _parse_token_rows(token_rows)
         if rows not in _ROWS:
