@@ -1206,7 +1206,8 @@ class Store:
         ArgumentTypeError
             ``start`` or ``stop`` is not an int (a bool, a float, ...); a TypeError.
         RowIndexError
-            Not ``0 <= start <= stop <= n_rows``; an IndexError.
+            Not ``0 <= start <= stop <= n_rows``; an IndexError (``start > stop`` says so,
+            naming both).
         """
         n = self.n_rows(hook_point)
         try:
@@ -1216,6 +1217,11 @@ class Store:
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
             raise ArgumentTypeError(f"rows({hook_point!r}, start, stop): start and stop must be ints, got {start!r}, {stop!r}") from None
+        if start > stop:  # (a slice store[hp, start:stop] would read nothing: no fix to offer)
+            raise RowIndexError(
+                f"rows [{start}, {stop}) of hook point {hook_point!r}: start must not exceed stop, got start={start} > "
+                f"stop={stop}; rows(hook_point, start, stop) reads the stop - start rows from start, with "
+                f"0 <= start <= stop <= {n}")
         if not (0 <= start <= stop <= n):
             raise RowIndexError(
                 f"rows [{start}, {stop}) out of range for hook point {hook_point!r} with {n} rows: start and stop must "

@@ -58,7 +58,7 @@ def test_store_getitem_with_rows_that_are_no_slice_says_how_to_read_them(store, 
         store["0.output", 0:1, 0]
 
 
-@pytest.mark.parametrize("start, stop", [(-1, 2), (0, 6), (4, 2)])
+@pytest.mark.parametrize("start, stop", [(-1, 2), (0, 6), (-3, -1), (3, 9)])
 def test_rows_out_of_range_say_the_bounds_and_the_slice_that_clips(store, start, stop):
     # the message said "out of range" only: not the bounds (no negative position) nor the read that clips
     with pytest.raises(acs.errors.RowIndexError, match=re.escape(
@@ -67,3 +67,14 @@ def test_rows_out_of_range_say_the_bounds_and_the_slice_that_clips(store, start,
             "slice, clipped to the rows there are and counting negative positions from the end")):
         store.rows("0.output", start, stop)
     assert torch.equal(store["0.output", start:stop], store["0.output"][start:stop])
+
+
+@pytest.mark.parametrize("start, stop", [(4, 2), (9, 6), (2, -1)])
+def test_rows_with_start_after_stop_says_start_must_not_exceed_stop(store, start, stop):
+    # the message suggested store[hp, start:stop], a slice that reads nothing
+    with pytest.raises(acs.errors.RowIndexError) as info:
+        store.rows("0.output", start, stop)
+    message = str(info.value)
+    assert f"start must not exceed stop, got start={start} > stop={stop}" in message
+    assert "0 <= start <= stop <= 5" in message
+    assert "store[" not in message
