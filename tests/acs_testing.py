@@ -364,6 +364,36 @@ def wait_for_child(pid: int, timeout: float, what: str) -> int:
     pytest.fail(what)
 
 
+
+def run_as_other_user(fn) -> tuple[str, str]:
+    """Run ``fn()`` in a forked child (user nobody, 65534, when this process is root); returns
+    (error type name, message) of what it raised, ("", "") when it returned. Everything ``fn``
+    imports must be imported already (the interpreter's own files may be unreadable to nobody)."""
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(r)
+        torch.set_num_threads(1)  # (torch's OpenMP pool does not survive a fork: a parallel op would hang)
+        out = b""
+        try:
+            if hasattr(os, "geteuid") and os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            fn()
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            out = f"{type(e).__name__}\n{e}".encode()
+        os.write(w, out)
+        os._exit(0)
+    os.close(w)
+    # (waited for first, bounded: a child that hangs fails the test; its message fits in the pipe)
+    wait_for_child(pid, 120, "the child acting as another user did not end")
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    name, _, msg = got.partition("\n")
+    return name, msg
+
 def _before_try(fn) -> tuple:
     """The code of ``fn`` and the numbers of its lines up to its first ``try:``."""
     lines, first = inspect.getsourcelines(fn)

@@ -17,39 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from acs_testing import wait_for_child
+from acs_testing import run_as_other_user
 from activationscope.store import StoreWriter, copy_store, open_store
 from activationscope.store._backend import LOCK_KEY
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def _as_other_user(fn) -> tuple[str, str]:
-    """Run ``fn()`` in a forked child (user nobody when this process is root); returns (error
-    type name, message) of what it raised, ("", "") when it returned. Everything ``fn`` imports
-    must be imported already (the interpreter's own files may be unreadable to nobody)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(r)
-        torch.set_num_threads(1)  # (torch's OpenMP pool does not survive a fork: a parallel op would hang)
-        out = b""
-        try:
-            if ROOT_USER:
-                os.setgid(65534)
-                os.setuid(65534)
-            fn()
-        except BaseException as e:  # noqa: BLE001 (reported to the parent)
-            out = f"{type(e).__name__}\n{e}".encode()
-        os.write(w, out)
-        os._exit(0)
-    os.close(w)
-    # (waited for first, bounded: a child that hangs fails the test; its message fits in the pipe)
-    wait_for_child(pid, 120, "the child acting as another user did not end")
-    with os.fdopen(r, "rb") as f:
-        got = f.read().decode()
-    name, _, msg = got.partition("\n")
-    return name, msg
 
 
 @pytest.fixture
@@ -120,7 +92,7 @@ def test_resume_of_a_store_with_a_folder_it_may_not_write_is_refused_before_any_
     data = _store(path)
     _folder_of_another_user(path)
     before = _listing(path)
-    name, msg = _as_other_user(lambda: StoreWriter(path, resume=True))
+    name, msg = run_as_other_user(lambda: StoreWriter(path, resume=True))
     assert name == "StoreError", (name, msg)
     assert f"cannot resume '{path}': this process may not write in the folder '{path}/" in msg
     assert "Nothing of the store was deleted or written" in msg and "copy_store" in msg
@@ -139,7 +111,7 @@ def test_copy_store_over_a_store_with_a_folder_it_may_not_write_changes_nothing(
     _store(source)
     _folder_of_another_user(path)
     before = _listing(path)
-    name, msg = _as_other_user(lambda: copy_store(source, path, overwrite=True))
+    name, msg = run_as_other_user(lambda: copy_store(source, path, overwrite=True))
     assert name == "StoreError", (name, msg)
     assert f"copy_store cannot replace the store at '{path}': this process may not write in its folder" in msg
     assert "nothing was changed" in msg
@@ -161,7 +133,7 @@ def test_overwrite_of_a_store_whose_parent_it_may_not_write_is_a_store_error(sha
     os.chmod(path / LOCK_KEY, 0o666)  # (a store of this user's: its lock file too)
     os.chmod(parent, 0o755 if ROOT_USER else 0o555)
     before = _listing(path)
-    name, msg = _as_other_user(lambda: StoreWriter(path, overwrite=True))
+    name, msg = run_as_other_user(lambda: StoreWriter(path, overwrite=True))
     assert name == "StoreError", (name, msg)
     assert f"overwrite: the old store '{path}' is moved aside into a new folder next to it" in msg
     assert "Permission denied; nothing was changed" in msg and "capture into another path" in msg
@@ -201,7 +173,7 @@ def test_overwrite_that_cannot_delete_the_old_store_says_so(shared):
             raise AssertionError(f"warnings: {[str(c.message) for c in caught]}")
         raise RuntimeError(said[0])
 
-    name, msg = _as_other_user(overwrite)
+    name, msg = run_as_other_user(overwrite)
     (aside,) = [p for p in parent.iterdir() if ".replaced-" in p.name]
     assert name == "RuntimeError", (name, msg)
     assert f"store '{path}': the new store has committed" in msg and f"from '{aside}' failed (" in msg
@@ -219,7 +191,7 @@ def test_a_file_it_may_not_read_is_named_with_the_fix_not_as_damage(shared):
     assert shard.is_file()
     os.chmod(shard, 0o600 if ROOT_USER else 0o000)
     s = open_store(path) if not ROOT_USER else None  # (a non-root owner: opened before, read after)
-    name, msg = _as_other_user(lambda: (s or open_store(path))["x"])
+    name, msg = run_as_other_user(lambda: (s or open_store(path))["x"])
     assert name == "StoreError", (name, msg)
     assert "cannot open 'acts/x/c/1/0': Permission denied" in msg
     assert "the store is not damaged" in msg and "read permission" in msg
@@ -258,7 +230,7 @@ def test_every_read_of_a_store_it_may_only_read(shared):
         assert float(total) == pytest.approx(float(data.double().sum()))
 
     read()  # (here first: what it imports is imported before the child drops root)
-    name, msg = _as_other_user(read)
+    name, msg = run_as_other_user(read)
     assert (name, msg) == ("", "")
     assert _listing(path) == before
 
@@ -277,4 +249,4 @@ def test_info_sizes_a_shard_it_may_not_read_as_it_is(shared):
                                                                           want["arrays"]["x"]["bytes_on_disk"]):
             raise AssertionError(f"bytes on disk {got['bytes_on_disk']}, the files hold {want['bytes_on_disk']}")
 
-    assert _as_other_user(info) == ("", "")
+    assert run_as_other_user(info) == ("", "")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import activationscope as acs
+from acs_testing import run_as_other_user
 from activationscope.errors import StoreError, StoreLockedError
 from activationscope.store import StoreWriter, copy_store, open_store
 from activationscope.store._backend import LOCK_KEY
@@ -285,32 +286,6 @@ def test_a_store_folder_that_cannot_be_made_is_a_store_error(tmp_path):
     assert not os.path.exists("/proc/acs-new.zarr")
 
 
-def _as_nobody(fn) -> tuple[str, str]:
-    """Run ``fn()`` in a forked child that became user nobody (65534); returns (error type name,
-    message) of what it raised, ("", "") when it returned. Everything ``fn`` imports must be
-    imported already (the interpreter's own files may be unreadable to nobody)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(r)
-        torch.set_num_threads(1)  # (torch's OpenMP pool does not survive a fork: a parallel op would hang)
-        out = b""
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            fn()
-        except BaseException as e:  # noqa: BLE001 (reported to the parent)
-            out = f"{type(e).__name__}\n{e}".encode()
-        os.write(w, out)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        got = f.read().decode()
-    os.waitpid(pid, 0)
-    name, _, msg = got.partition("\n")
-    return name, msg
-
-
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_store_read_only_to_this_user_reads_and_refuses_writers_with_the_fix():
     """A store another user made and this user may only read (a colleague's shared store):
@@ -354,7 +329,7 @@ def _read_only_store_checks(tmp_path: Path) -> None:
         if not torch.equal(s["0.output"], expected):  # (torch.testing imports more in the child)
             raise AssertionError(f"read other values: {s['0.output']} != {expected}")
 
-    got = _as_nobody(read)
+    got = run_as_other_user(read)
     assert got == ("", ""), got
     for opts in ({"resume": True}, {"overwrite": True}):
         def write(opts=opts) -> None:
@@ -362,7 +337,7 @@ def _read_only_store_checks(tmp_path: Path) -> None:
                                                       reductions=["mean"]).track(model):
                 model(x)
 
-        name, msg = _as_nobody(write)
+        name, msg = run_as_other_user(write)
         assert name == "StoreError", (name, msg)
         assert "cannot open the writer lock" in msg and "Permission denied" in msg
         assert "read-only to this process" in msg and "copy_store" in msg
