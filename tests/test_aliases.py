@@ -135,18 +135,24 @@ def test_alias_that_stops_holding_is_an_error_naming_both(tmp_path):
     assert s.status == "incomplete"
 
 
+def _capture_then_resume(m, path, xs, k):
+    """Capture ``xs[:k]`` into a new store (reductions mean), then resume it with the rest;
+    returns the reference (``m[0]`` of every x) and the store's aliases after the first part."""
+    with torch.no_grad():
+        with ActivationScope(store=path, reductions=["mean"]).track(m):
+            for x in xs[:k]:
+                m(x)
+        aliases_first = open_store(path).aliases
+        with ActivationScope(store=path, reductions=["mean"], store_options={"resume": True}).track(m):
+            for x in xs[k:]:
+                m(x)
+        return torch.cat([m[0](x) for x in xs]), aliases_first
+
+
 def test_resumed_store_keeps_its_aliases(tmp_path):
     m = _features()
     xs = [torch.randn(4, 6) for _ in range(4)]
-    with torch.no_grad():
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
-            for x in xs[:2]:
-                m(x)
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
-                             store_options={"resume": True}).track(m):
-            for x in xs[2:]:
-                m(x)
-        ref = torch.cat([m[0](x) for x in xs])
+    ref, _ = _capture_then_resume(m, tmp_path / "s.zarr", xs, 2)
     s = open_store(tmp_path / "s.zarr")
     assert s.aliases == {"0.output": "0.2.output"}
     torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
@@ -158,14 +164,7 @@ def test_resume_whose_first_forward_is_an_empty_batch_keeps_the_aliases(tmp_path
     # '0.output' its own tensor") although model and selection were the same
     m = _features()
     xs = [torch.randn(4, 6), torch.randn(0, 6), torch.randn(3, 6), torch.randn(0, 6), torch.randn(2, 6)]
-    with torch.no_grad():
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
-            m(xs[0])
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
-                             store_options={"resume": True}).track(m):
-            for x in xs[1:]:
-                m(x)
-        ref = torch.cat([m[0](x) for x in xs])
+    ref, _ = _capture_then_resume(m, tmp_path / "s.zarr", xs, 1)
     s = open_store(tmp_path / "s.zarr")
     assert s.aliases == {"0.output": "0.2.output"}
     assert s.status == "complete" and s.n_rows("0.output") == 9
@@ -204,15 +203,8 @@ def test_resume_of_a_store_of_empty_batches_keeps_its_arrays(tmp_path):
     # ("has an array in this store; it cannot become an alias")
     m = _features()
     xs = [torch.randn(0, 6), torch.randn(4, 6), torch.randn(3, 6)]
-    with torch.no_grad():
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"]).track(m):
-            m(xs[0])
-        assert open_store(tmp_path / "s.zarr").aliases == {}
-        with ActivationScope(store=tmp_path / "s.zarr", reductions=["mean"],
-                             store_options={"resume": True}).track(m):
-            for x in xs[1:]:
-                m(x)
-        ref = torch.cat([m[0](x) for x in xs])
+    ref, aliases_first = _capture_then_resume(m, tmp_path / "s.zarr", xs, 1)
+    assert aliases_first == {}
     s = open_store(tmp_path / "s.zarr")
     assert s.aliases == {} and s.status == "complete"
     torch.testing.assert_close(s["0.output"][:], ref, rtol=0, atol=0)
