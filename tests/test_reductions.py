@@ -1579,13 +1579,40 @@ def test_missing_reduction_name_is_a_clear_error(tmp_path):
         with pytest.raises(KeyError):
             got["var"]
         assert got.get("var") is None and "var" not in got
-        again = pickle.loads(pickle.dumps(got))
-        assert again.keys() == got.keys() and again.hook_point == "0.output"
+        again = pickle.loads(pickle.dumps(got))  # (an OrderedDict of the same items: torch.load reads it)
+        assert list(again) == list(got) and all(torch.equal(again[k], got[k]) for k in got)
     from activationscope.errors import HookPointNotFoundError
 
     for reds in (tr.reductions, acs.open_store(tmp_path / "s.zarr").reductions):
         with pytest.raises(HookPointNotFoundError, match=r"hook point 'nope.output' has no reductions( in this store)?; hook points with reductions: \['0.output'\]"):
             reds["nope.output"]
+
+
+def test_saved_reductions_load_with_torch_load_weights_only(tmp_path):
+    """torch.save(tracker.reductions) and torch.save(store.reductions) write OrderedDicts of
+    OrderedDicts of tensors, which torch.load reads back with its default weights_only=True."""
+    import activationscope as acs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()).eval()
+    x = torch.randn(5, 3)
+    with acs.ActivationScope(reductions=["mean", "max"], store=str(tmp_path / "s.zarr")).track(model) as tr:
+        with torch.no_grad():
+            model(x)
+        live = tr.reductions
+    store = acs.open_store(tmp_path / "s.zarr")
+    with torch.no_grad():
+        want = {"0.output": model[0](x), "1.output": model(x)}
+    for i, reds in enumerate((live, store.reductions)):
+        torch.save(reds, tmp_path / f"r{i}.pt")
+        got = torch.load(tmp_path / f"r{i}.pt", weights_only=True)
+        assert list(got) == ["0.output", "1.output"]
+        for hp, acts in want.items():
+            assert sorted(got[hp]) == ["max", "max.count", "mean", "mean.count"]
+            torch.testing.assert_close(got[hp]["mean"], acts.double().mean(0))
+            torch.testing.assert_close(got[hp]["max"], acts.double().amax(0), rtol=0, atol=0)
+            assert int(got[hp]["mean.count"]) == 5
+    store.close()
 
 
 @pytest.mark.parametrize("kind", ["mean", "var", "std", "cov"])

@@ -34,6 +34,12 @@ class _Results(dict):
     def __missing__(self, key: str):
         raise self._error(self._missing_message(key))
 
+    def __reduce__(self):
+        # pickled as an OrderedDict of the same items (torch.save(tracker.activations), of
+        # tracker.reductions and of a store's reductions): torch.load, whose weights_only=True
+        # loads no class of ours (nor a dict built by a call), reads it back
+        return OrderedDict, (), None, None, iter(self.items())
+
 
 class HookPointResults(_Results):
     """``{hook_point: value}``; a missing hook point raises :class:`HookPointNotFoundError`
@@ -47,11 +53,6 @@ class HookPointResults(_Results):
         #: whether the keys are every hook point (a missing one is then no hook point: the names
         #: closest to it are suggested)
         self.hint = hint
-
-    def __reduce__(self):
-        # pickled as an OrderedDict of the same items (torch.save(tracker.activations)): torch.load,
-        # whose weights_only=True loads no class of ours (nor a dict built by a call), reads it back
-        return OrderedDict, (), None, None, iter(self.items())
 
     def _missing_message(self, hook_point: str) -> str:
         return (f"hook point {hook_point!r} has no {self.what}; hook points with {self.what}: {sorted(self)}"

@@ -406,6 +406,11 @@ class _Reductions(Mapping):
         names = {hp: sorted(entries) for hp, entries in self._store._complete_reductions().items()}
         return f"<reductions of {str(self._store._backend)!r}: {names}>"
 
+    def __reduce__(self):
+        # pickled as an OrderedDict of every hook point's results, read now (torch.save(store.reductions)):
+        # torch.load, whose weights_only=True loads no class of ours, reads it back without the store
+        return OrderedDict, (), None, None, iter([(hp, self[hp]) for hp in self])
+
 
 
 class _ChunkCrcs:
@@ -2765,6 +2770,9 @@ class Store:
         ``n = min(k, rows)``) and
         ``<topk>.row_ids`` int64 of the same shape;
         ``<name>.count`` an int64 scalar (observations per output value).
+        Pickled (``torch.save(store.reductions, f)``), every hook point's results are read
+        and saved as an ``OrderedDict`` of ``OrderedDict`` objects of tensors, which ``torch.load``
+        reads with ``weights_only=True``.
 
         Returns
         -------
