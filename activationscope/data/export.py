@@ -13,7 +13,8 @@ needed):
 - the chosen row-table columns (``sample_id``, ``pos``, ``batch``, labels, text); strings,
   binaries and lists are written as their ``large_*`` types (64-bit offsets) so a column over
   2 GiB is fine;
-- dtypes as stored: float32/float64/float16 and integers as the Arrow type of that name.
+- dtypes as stored: float32/float64/float16 and integers (uint16, uint32 and uint64
+  included) as the Arrow type of that name; complex hook points are refused (no Arrow type).
   **bfloat16** has no Arrow type: it is written bit-exact as **uint16 bit patterns** (the
   upper half of the float32 pattern) with field metadata ``activationscope.dtype =
   bfloat16``. :func:`read_arrow` turns it back into ``torch.bfloat16``; other readers can
@@ -172,6 +173,9 @@ _TORCH_TO_ARROW = {
     torch.int32: pa.int32(),
     torch.int64: pa.int64(),
     torch.uint8: pa.uint8(),
+    torch.uint16: pa.uint16(),
+    torch.uint32: pa.uint32(),
+    torch.uint64: pa.uint64(),
     torch.bool: pa.bool_(),
 }
 _ARROW_TO_TORCH = {
@@ -217,19 +221,31 @@ def _check_has_values(name: str, shape: tuple[int, ...]) -> None:
         )
 
 
-def _unsupported_dtype(name: str, dtype: torch.dtype) -> ArgumentValueError:
-    """The refusal of a hook point whose dtype has no column type in an export."""
-    held = ", ".join(_dtype_name(d) for d in _TORCH_TO_ARROW)
+def _unsupported_dtype(name: str, dtype: torch.dtype, format: str) -> ArgumentValueError:
+    """The refusal of a hook point whose dtype has no column type in the export ``format``."""
+    held = ", ".join(_dtype_name(d) for d in _TORCH_TO_ARROW if format != "hf" or d != torch.uint64)
     return ArgumentValueError(
-        f"hook point {name!r} has dtype {dtype}, which export does not support (it writes {held}); leave it out "
-        "of hook_points (CLI: --hook-points), and read it with open_store or ActivationDataset, which give every "
-        "stored dtype"
+        f"hook point {name!r} has dtype {dtype}, which the export format {format!r} does not support (it writes "
+        f"{held}; nothing was written); leave it out of hook_points (CLI: --hook-points), and read it with "
+        "open_store or ActivationDataset, which give every stored dtype"
     )
 
 
-def _hook_point_field(name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor_type: str) -> pa.Field:
+def _hf_uint64(name: str) -> ArgumentValueError:
+    """The refusal of a uint64 hook point in a Hugging Face ``datasets`` export."""
+    return ArgumentValueError(
+        f"hook point {name!r} has dtype torch.uint64, which the export format 'hf' does not keep exactly: datasets "
+        "reads uint64 columns with with_format('torch') and with_format('numpy') as int64, values of 2**63 or more "
+        "turned negative (nothing was written); export it with export_parquet or export_arrow (CLI: --format "
+        "parquet / arrow), which keep uint64 exactly (read_arrow gives torch.uint64), or leave it out of "
+        "hook_points (CLI: --hook-points)"
+    )
+
+
+def _hook_point_field(name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor_type: str,
+                      format: str) -> pa.Field:
     if dtype not in _TORCH_TO_ARROW:
-        raise _unsupported_dtype(name, dtype)
+        raise _unsupported_dtype(name, dtype, format)
     _check_has_values(name, shape)
     value_type = _TORCH_TO_ARROW[dtype]
     if not shape:
@@ -381,12 +397,12 @@ def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
     return ds._row_table().column_names if columns is None else list(ds.columns)
 
 
-def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str) -> pa.Schema:
+def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str, format: str) -> pa.Schema:
     if tensor_type not in ("fixed_shape_tensor", "fixed_size_list"):
         raise ArgumentValueError(f"tensor_type must be one of ['fixed_shape_tensor', 'fixed_size_list'], got {tensor_type!r}")
     fields = []
     for hp in ds.hook_points:
-        fields.append(_hook_point_field(hp, ds.source.dtype(hp), ds.source.feature_shape(hp), tensor_type))
+        fields.append(_hook_point_field(hp, ds.source.dtype(hp), ds.source.feature_shape(hp), tensor_type, format))
     table = ds._row_table() if col_names else None
     for name in col_names:
         if name in ds.hook_points:
@@ -573,7 +589,7 @@ def _export(kind: str, source: Any, path: Any, hook_points: Any, columns: Any, b
     _refuse_inside_store(path, ds, folders=False)
     _check_out(path, kind, overwrite)
     col_names = _export_columns(ds, columns)
-    schema = _schema(ds, col_names, tensor_type)
+    schema = _schema(ds, col_names, tensor_type, kind)
     tmp = _temp_sibling(path)
     try:
         if kind == "arrow":
@@ -780,10 +796,12 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
         dtype = ds.source.dtype(hp)
         if dtype == torch.bfloat16:
             name = "float32" if bfloat16 == "float32" else "uint16"
+        elif dtype == torch.uint64:
+            raise _hf_uint64(hp)
         elif dtype in _TORCH_TO_ARROW:
             name = _dtype_name(dtype)
         else:
-            raise _unsupported_dtype(hp, dtype)
+            raise _unsupported_dtype(hp, dtype, "hf")
         feature_shape = tuple(ds.source.feature_shape(hp))
         _check_has_values(hp, feature_shape)
         if context_size is not None and len(feature_shape) > 1:
@@ -861,7 +879,10 @@ def export_hf(
     packed in store order, so a group can span samples (as SAELens packs documents into
     its context windows); padding never enters, since the store holds none.
 
-    Dtypes: float32, float16, float64 and integers as stored. **bfloat16** has no
+    Dtypes: float32, float16, float64 and integers as stored, but uint64: ``datasets`` reads a
+    uint64 column with ``with_format("torch")`` or ``"numpy"`` as int64, values of ``2**63`` or
+    more negative, so a uint64 hook point is refused (:func:`export_parquet` and
+    :func:`export_arrow` keep it exactly). **bfloat16** has no
     ``datasets`` dtype: ``bfloat16="float32"`` (default) writes the exact float32 values,
     ``"bits"`` the uint16 bit patterns (``with_format("torch")`` shows them as int64;
     ``torch.from_numpy(x.numpy().astype(np.uint16).view(np.int16)).view(torch.bfloat16)``
@@ -913,7 +934,8 @@ def export_hf(
         a ``path`` inside the local store being exported, the store itself or a folder
         holding it (``ArgumentValueError``).
     ArgumentValueError
-        A hook point of more than 5 dimensions per example, or a dtype without an Arrow type.
+        A hook point of more than 5 dimensions per example, or a dtype without an Arrow type
+        (complex) or that ``datasets`` does not read back exactly (uint64).
     ExportExistsError
         (a ``FileExistsError``) ``path`` exists and is not an earlier export of ``file_format`` (a directory of other
         files or another ``datasets`` dataset, a file this function did not write), or is an

@@ -104,7 +104,7 @@ def test_sliced_arrow_tensor_arrays_honour_their_offset(arrays):
 def test_offsets_never_32_bit():
     from activationscope.data.export import _hook_point_field, _large
 
-    f = _hook_point_field("hp", torch.float32, (4096,), "fixed_size_list")
+    f = _hook_point_field("hp", torch.float32, (4096,), "fixed_size_list", "arrow")
     # no offsets buffer at all: a fixed-size list column cannot overflow at any size
     assert pa.types.is_fixed_size_list(f.type)
     arr = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(8, np.float32)), 4)
@@ -274,10 +274,10 @@ def test_a_hook_point_of_rows_without_values_is_named(tmp_path):
     assert torch.equal(back["f32"], arrays["f32"])
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint32])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_a_hook_point_of_a_dtype_export_cannot_write_is_named_with_the_fix(tmp_path, dtype):
-    # a store holds complex and uint32 hook points exactly; an export has no column type for
-    # them: the refusal named the dtype only, now the dtypes it writes and what to do
+    # a store holds complex hook points exactly; an export has no column type for them: the
+    # refusal names the export format, the dtypes it writes and what to do
     from activationscope.data import export_hf
     from activationscope.errors import ActivationScopeError
 
@@ -285,9 +285,10 @@ def test_a_hook_point_of_a_dtype_export_cannot_write_is_named_with_the_fix(tmp_p
     arrays = {"odd": odd, "f32": torch.randn(6, 3)}
     store = FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": pa.table({"sample_id": list(range(6))})},
                                        shard_rows=8))
-    for fn in (export_arrow, export_parquet, export_hf):
-        with pytest.raises(ActivationScopeError, match=rf"hook point 'odd' has dtype {dtype}, which export does not "
-                                                       r"support \(it writes float32, .*bfloat16.*bool\); leave it out "
+    for fn, format in ((export_arrow, "arrow"), (export_parquet, "parquet"), (export_hf, "hf")):
+        with pytest.raises(ActivationScopeError, match=rf"hook point 'odd' has dtype {dtype}, which the export format "
+                                                       rf"'{format}' does not support \(it writes float32, .*bfloat16.*"
+                                                       r"uint32.*bool; nothing was written\); leave it out "
                                                        r"of hook_points .*open_store or ActivationDataset"):
             fn(store, tmp_path / "x")
         assert not (tmp_path / "x").exists()
@@ -296,6 +297,49 @@ def test_a_hook_point_of_a_dtype_export_cannot_write_is_named_with_the_fix(tmp_p
     assert torch.equal(back["f32"], arrays["f32"])
     got = ActivationDataset(store, hook_points=["odd"])[0:6]["odd"]
     assert got.dtype == dtype and torch.equal(got, odd)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    signed = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(signed[a.dtype]), b.view(signed[b.dtype]))
+
+
+def test_unsigned_hook_points_export_exactly(tmp_path):
+    # uint16 / uint32 / uint64 hook points were refused by every export; Arrow and Parquet
+    # carry them exactly (their top values and 2**63 included), datasets uint16 and uint32
+    # (read as int64 by with_format("torch")), and uint64 is refused there naming the formats that keep it
+    import datasets
+
+    from activationscope.data import export_hf
+    from activationscope.errors import ActivationScopeError
+
+    arrays = {
+        "u16": torch.tensor([[0, 1, 2**16 - 1], [7, 2**15, 9]] * 3, dtype=torch.uint16),
+        "u32": torch.tensor([[0, 2**32 - 1], [2**31, 5]] * 3, dtype=torch.uint32),
+        "u64": torch.tensor([0, 2**64 - 1, 2**63, 2**63 - 1, 3, 2**40], dtype=torch.uint64),
+    }
+    store = FakeStore(write_fake_store(tmp_path / "s", arrays, tables={"sample": pa.table({"sample_id": list(range(6))})},
+                                       shard_rows=4))
+    back = read_arrow(export_arrow(store, tmp_path / "f.arrow", batch_rows=4))
+    table = pq.read_table(export_parquet(store, tmp_path / "f.parquet", tensor_type="fixed_size_list"))
+    for hp, want in arrays.items():
+        assert _same_bits(back[hp], want), hp
+        assert _same_bits(arrow_to_torch(table[hp], table.schema.field(hp)), want), hp
+        col = table[hp].combine_chunks()  # as plain pyarrow reads it
+        values = col.flatten() if want.dim() > 1 else col
+        assert values.type == pa.from_numpy_dtype(want.numpy().dtype), hp
+        assert values.to_pylist() == [int(v) for v in want.numpy().reshape(-1)], hp
+    with pytest.raises(ActivationScopeError, match=r"hook point 'u64' has dtype torch.uint64, which the export format "
+                                                   r"'hf' does not keep exactly: .*values of 2\*\*63 or more turned "
+                                                   r"negative \(nothing was written\); export it with export_parquet or "
+                                                   r"export_arrow"):
+        export_hf(store, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    hf = datasets.load_from_disk(str(export_hf(store, tmp_path / "hf", hook_points=["u16", "u32"])))
+    assert hf.features["u16"] == datasets.List(datasets.Value("uint16"), length=3)
+    got = hf.with_format("torch")[:]
+    for hp in ("u16", "u32"):
+        assert torch.equal(got[hp], arrays[hp].to(torch.int64)), hp
 
 
 @pytest.mark.parametrize("overwrite", ["False", 0, None])
