@@ -2053,6 +2053,51 @@ def test_forward_hooks_that_change_an_output_are_named_and_the_next_input_record
     assert not model.pair._forward_hooks  # the probes of the first forward are gone, and so is the user's
 
 
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_a_forward_hook_added_after_the_first_forward_that_changes_an_output_is_named_once(where):
+    """A forward hook added to a tracked module after the first captured forward (or a global
+    one) that replaces its output is named in a CaptureWarning at the next forward, with its
+    hook point and the fix, once; one that only reads is not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).eval()
+    x = torch.randn(5, 4)
+
+    def steer(module, args, out):
+        return out + 5 if module is model[0] else None
+
+    handles = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope(capture="both").track(model) as tr, torch.no_grad():
+                model(x)
+                handles.append(model[2].register_forward_hook(lambda m, i, out: None))  # reads only
+                model(x)
+                assert not [w for w in caught if issubclass(w.category, acs.CaptureWarning)]
+                handles.append(model[0].register_forward_hook(steer) if where == "module"
+                               else torch.nn.modules.module.register_module_forward_hook(steer))
+                model(x)
+                model(x)
+                handles.append(model[0].register_forward_hook(lambda m, i, out: out * 2))  # (named already)
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        plain = model[0](x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(messages) == 1, messages
+    assert re.search(r"forward hooks of the tracked modules '0' \(hook points '0.output'\) replaced or changed "
+                     r"their output in forward 2 \(they were added after the first captured forward.*before its "
+                     r"forward hooks run.*capture='input' of the next module", messages[0])
+    for i in range(5):  # recorded before the hooks; the next module's input after them
+        torch.testing.assert_close(tr.activations["0.output"][i], plain, rtol=0, atol=0)
+    torch.testing.assert_close(tr.activations["1.input.0"][3], plain + 5, rtol=0, atol=0)
+    torch.testing.assert_close(tr.activations["1.input.0"][4], (plain + 5) * 2, rtol=0, atol=0)
+    assert not model[0]._forward_hooks and not model[2]._forward_hooks  # the probes are gone
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
 class Encoder(torch.nn.Module):
     """Calls its dropout twice (as T5's encoder stack does: on the embeddings and at the end)."""
 

@@ -42,6 +42,9 @@ from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
 
 _C = _native.load()
+# torch's hook handles (forward hooks of any module, global ones too) take their ids from one
+# counter: a forward whose value differs from the last one's had a hook registered before it
+_RemovableHandle = torch.utils.hooks.RemovableHandle
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
 
 
@@ -983,6 +986,13 @@ class Tracker:
         self._half_pending: set[str] = set()
         self._hook_probes: list[Any] = []
         self._hook_replaced: list[str] = []
+        # forward hooks there were when last looked for ({id(module): hook ids}, global hook
+        # ids; None before the first captured forward), torch's hook handle counter when last
+        # looked (a hook added since has a larger id), and the modules named in a warning
+        self._hooks_seen: tuple[dict[int, set[int]], set[int]] | None = None
+        self._hook_id_seen = -1
+        self._hooks_later = False
+        self._hook_warned: set[str] = set()
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
         self._refused_attrs: dict[str, Any] = {}  # ... with these attributes (argument, pattern, hook_points)
@@ -2722,8 +2732,14 @@ class Tracker:
         if not self._hook_probes_done and self._core.capturing and self._side != "input":
             self._hook_probes_done = True
             self._add_hook_probes()
+        elif (self._hooks_seen is not None and _RemovableHandle.next_id != self._hook_id_seen
+              and self._core.capturing):
+            # a hook registered since the last look (any module's, one counter): probe the
+            # tracked modules that got forward hooks, as the first captured forward was
+            self._probe_new_hooks()
+        self._hook_id_seen = _RemovableHandle.next_id
 
-    def _add_hook_probes(self) -> None:
+    def _add_hook_probes(self, only: set[int] | None = None) -> None:
         """For the first captured forward, around the forward hooks of each tracked module that
         has some (``register_forward_hook``, a TransformerLens hook): one hook first, that notes
         the output its forward returned, and one last, that sees what the hooks made of it. An
@@ -2732,7 +2748,10 @@ class Tracker:
         end of the forward. Global forward hooks (``register_module_forward_hook``) run before
         each module's own: while there are some, every tracked module is looked at, its output
         noted by a global hook put first. Modules without forward hooks get nothing; later
-        forwards neither."""
+        forwards neither, unless forward hooks were added since (:meth:`_probe_new_hooks`):
+        ``only`` then holds the ids of the modules to look at (None: every one)."""
+        self._hooks_seen = ({id(m): set(m._forward_hooks) for _, m in self._modules},
+                            set(torch.nn.modules.module._global_forward_hooks))
         seen: dict[int, Any] = {}
         replaced = self._hook_replaced
         # the global forward hooks (torch.nn.modules.module.register_module_forward_hook) run
@@ -2752,7 +2771,7 @@ class Tracker:
             global_hooks.move_to_end(handle.id, last=False)
             self._hook_probes.append(handle)
         for name, module in self._modules:
-            if not module._forward_hooks and not global_hooks:
+            if (not module._forward_hooks and not global_hooks) or (only is not None and id(module) not in only):
                 continue
 
             def last(module: Any, args: Any, out: Any, _name: str = name) -> None:
@@ -2764,19 +2783,47 @@ class Tracker:
                 self._hook_probes.append(module.register_forward_hook(first, prepend=True))
             self._hook_probes.append(module.register_forward_hook(last))
 
+    def _probe_new_hooks(self) -> None:
+        """At the start of a captured forward after the first, when a hook was registered since
+        the last look: probe the tracked modules that got forward hooks since (every one for a
+        new global forward hook), so that one replacing an output is named at the end of this
+        forward. Costs one comparison per forward while no hook is registered."""
+        modules, global_seen = self._hooks_seen
+        if set(torch.nn.modules.module._global_forward_hooks) - global_seen:
+            only = None
+        else:
+            only = {id(m) for _, m in self._modules if m._forward_hooks.keys() - modules.get(id(m), set())}
+            if not only:
+                self._hooks_seen = ({id(m): set(m._forward_hooks) for _, m in self._modules}, global_seen)
+                return
+        self._hooks_later = True
+        self._add_hook_probes(only)
+
     def _remove_hook_probes(self) -> None:
         while self._hook_probes:
             self._hook_probes.pop().remove()
 
     def _warn_replaced_outputs(self) -> None:
-        if not self._hook_replaced:
-            return
-        names = [n or "(the tracked model)" for n in self._hook_replaced]
-        shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        later, self._hooks_later = self._hooks_later, False
+        found = [n for n in self._hook_replaced if n not in self._hook_warned]
         self._hook_replaced = []
+        if not found:
+            return
+        self._hook_warned.update(found)
+        names = [n or "(the tracked model)" for n in found]
+        shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        if later:
+            points = sorted(hp for hp in self._sinks if self._module_of(hp) in found
+                            and not re.sub(r"^(#\d+)?\.?", "", hp[len(self._module_of(hp)):]).startswith("input"))
+            shown += (f" (hook points {', '.join(repr(hp) for hp in points[:4])}{', ...' if len(points) > 4 else ''})"
+                      if points else "")
+            when = (f"forward {self._core.n_forwards - 1} (they were added after the first captured forward, and "
+                    "the rows captured there from this forward on hold the output before them)")
+        else:
+            when = "the first captured forward"
         warn_at_caller(
-            f"forward hooks of the tracked modules {shown} replaced or changed their output in the first captured "
-            "forward: activationscope records a module's output as its forward returns it, before its forward hooks "
+            f"forward hooks of the tracked modules {shown} replaced or changed their output in {when}: "
+            "activationscope records a module's output as its forward returns it, before its forward hooks "
             "run (its own and the global ones of register_module_forward_hook), so what is recorded there is not "
             "what the model passed on (a steered, ablated or patched value). "
             "To record the value the hooks made, track the module that receives it (capture='input' of the next "
