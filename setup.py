@@ -18,6 +18,28 @@ import torch  # noqa: E402
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+#: The requirements of every build; ``torch>=2.4`` is the sdist's (it builds against any of them).
+DEPENDENCIES = [
+    "torch>=2.4",
+    "zarr>=3.1,<3.2",
+    "numcodecs>=0.13",
+    "pyarrow>=15",
+    "numpy>=1.26",
+    "fsspec>=2024.3",
+    "tqdm>=4.66",
+]
+
+
+def dependencies(argv: list[str]) -> list[str]:
+    """``DEPENDENCIES`` with, but for an sdist, torch pinned to the running one: the extension a
+    wheel (or an editable install) holds loads only under the torch it was built against
+    (``activationscope.capture._native.load`` compares ``torch.__version__``, local label
+    included: ``2.13.0+cpu``)."""
+    if "sdist" in argv:
+        return list(DEPENDENCIES)
+    return [f"torch=={torch.__version__}" if d.startswith("torch") else d for d in DEPENDENCIES]
+
+
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
 extra_compile_args = {
     "cxx": [
@@ -35,6 +57,7 @@ extra_compile_args = {
 }
 
 setup(
+    install_requires=dependencies(sys.argv[1:]),
     ext_modules=[
         CppExtension(
             name="activationscope._C",

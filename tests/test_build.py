@@ -43,11 +43,8 @@ def test_setup_refuses_to_build_without_numpy(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the sdist
-@pytest.fixture(scope="module")
-def sdist(tmp_path_factory):
-    """``(members, PKG-INFO text, version written)`` of an sdist built (PEP 517, as pip builds
-    one) from a copy of the checkout's files, with what an in-place build and a test run leave
-    in a checkout added, and another version in ``_version.py``."""
+def _copy_of_checkout(tmp_path_factory) -> Path:
+    """A new folder holding the checkout's files (tracked, and untracked ones not ignored)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True)
     if listed.returncode != 0:
@@ -57,6 +54,15 @@ def sdist(tmp_path_factory):
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
+    return src
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """``(members, PKG-INFO text, version written)`` of an sdist built (PEP 517, as pip builds
+    one) from a copy of the checkout's files, with what an in-place build and a test run leave
+    in a checkout added, and another version in ``_version.py``."""
+    src = _copy_of_checkout(tmp_path_factory)
     (src / "activationscope" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
     (src / "build" / "temp").mkdir(parents=True)
     (src / "build" / "temp" / "sink.o").write_bytes(b"\x7fELF")
@@ -99,6 +105,36 @@ def test_sdist_leaves_out_build_outputs_and_tests(sdist):
     # the tests need the whole checkout (docs, benchmark, golden stores): none, rather than some
     assert [m for m in members if m.startswith(("tests/", "build/", "benchmark/results/"))] == []
     assert [m for m in members if m.endswith((".so", ".o", ".pyc"))] == []
+
+
+def _torch_requirements(metadata: str) -> list[str]:
+    return [line.split(":", 1)[1].strip() for line in metadata.splitlines()
+            if line.startswith("Requires-Dist:") and re.match(r"Requires-Dist: torch\b", line)]
+
+
+@pytest.mark.parametrize("kind", ["wheel", "editable"])
+def test_a_wheel_requires_the_torch_its_extension_was_built_against(tmp_path_factory, kind):
+    # the extension loads only under the torch it was built against (_native.load compares
+    # torch.__version__), but the wheel and `pip install --no-build-isolation -e .` declared torch>=2.4
+    import torch
+
+    src = _copy_of_checkout(tmp_path_factory)
+    out_dir = tmp_path_factory.mktemp("metadata")
+    out = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                          f"print(build_meta.prepare_metadata_for_build_{kind}(sys.argv[1]))", str(out_dir)],
+                         cwd=src, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    metadata = (out_dir / out.stdout.split()[-1] / "METADATA").read_text()
+    assert _torch_requirements(metadata) == [f"torch=={torch.__version__}"]
+    assert "Requires-Dist: zarr<3.2,>=3.1" in metadata.splitlines()
+
+
+def test_the_sdist_requires_any_torch_it_builds_against(sdist):
+    # an sdist builds the extension against the torch installed: its metadata keeps torch>=2.4,
+    # marked dynamic (the wheel built from it pins that torch)
+    _, pkg_info, _ = sdist
+    assert _torch_requirements(pkg_info) == ["torch>=2.4"]
+    assert "dynamic: requires-dist" in pkg_info.lower().splitlines()
 
 
 def test_sdist_takes_its_version_from_version_py(sdist):
