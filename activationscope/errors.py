@@ -178,6 +178,25 @@ def hook_point_hint(name: object, hook_points: Iterable[str], n: int = 3) -> str
     return f"; did you mean {names_repr(close)}?" if close else ""
 
 
+def docs_page(path: str, section: str | None = None) -> str:
+    """How a message names a page of the documentation, which is not installed with the
+    package: by its path in the source distribution (as in the repository), with the heading
+    or bold paragraph lead of the part meant, e.g. ``section 'Custom reductions' of
+    docs/usage/reductions.md (in activationscope's source distribution)``. Every message names
+    pages through this (``tests/test_build.py`` checks that each page named is in the sdist
+    and holds its section).
+
+    Parameters
+    ----------
+    path : str
+        The page's path from the root of the source distribution (``"docs/usage/store.md"``).
+    section : str, optional
+        A heading of the page, or the lead of a bold paragraph, as written there.
+    """
+    where = f"{path} (in activationscope's source distribution)"
+    return f"section {section!r} of {where}" if section else where
+
+
 def column_hint(missing: Iterable[str], columns: Iterable[str], n: int = 3) -> str:
     """``"; did you mean [...] for 'x'?"`` naming, for each of the ``missing`` column names
     that has any, up to ``n`` of ``columns`` closest to it (a typo: ``'lable'`` for

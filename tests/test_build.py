@@ -3,6 +3,7 @@ the sdist holds what builds the extension and nothing a checkout gathers besides
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
 import shutil
@@ -135,6 +136,48 @@ def test_the_sdist_requires_any_torch_it_builds_against(sdist):
     _, pkg_info, _ = sdist
     assert _torch_requirements(pkg_info) == ["torch>=2.4"]
     assert "dynamic: requires-dist" in pkg_info.lower().splitlines()
+
+
+def _sections(page: Path) -> set[str]:
+    """The headings of a Markdown page and the leads of its bold paragraphs (``**Lead.**``)."""
+    text = page.read_text()
+    return ({line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#+ ", line)}
+            | set(re.findall(r"\*\*([^*]+?)\.\*\*", text)))
+
+
+def test_every_page_the_sources_name_is_in_the_sdist_with_its_section(sdist):
+    # an installed package has no docs/ folder: messages name a page through errors.docs_page,
+    # which says it is in the source distribution; docstrings and comments name pages that are
+    # there too, and every section named is a heading (or bold lead) of its page
+    members, _, _ = sdist
+    named: dict[tuple[str, str | None], str] = {}
+    stray = []
+    for path in sorted((ROOT / "activationscope").rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        docstrings, args = set(), set()
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                    and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+                docstrings.add(id(node.body[0].value))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "docs_page":
+                assert node.args and all(isinstance(a, ast.Constant) for a in node.args), where
+                args.update(id(a) for a in node.args)
+                named[(node.args[0].value, node.args[1].value if len(node.args) > 1 else None)] = where
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and id(node) not in args and re.search(r"docs/\S*\.md", node.value)):
+                stray.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+        for m in re.finditer(r"(?:section ([\"'])([^\"']+)\1 of\s+)?\b(docs/[\w/.-]+?\.md|store/FORMAT\.md)\b", text):
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            named.setdefault((m.group(3), m.group(2)), where)
+    assert stray == [], "name these pages with errors.docs_page(path, section)"
+    assert len({p for p, _ in named}) >= 4  # (the scan finds them)
+    for (page, section), where in sorted(named.items(), key=str):
+        assert (ROOT / page).is_file() and page in members, f"{where} names {page}"
+        if section is not None:
+            assert section in _sections(ROOT / page), f"{where} names section {section!r} of {page}"
 
 
 def test_sdist_takes_its_version_from_version_py(sdist):

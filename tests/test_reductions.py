@@ -468,7 +468,9 @@ def test_an_axis_option_for_conv_channels_is_named_as_an_unknown_option(make):
     value of the wrong type; the unknown name is said first, with the options there are and
     where the docs show per-channel statistics."""
     with pytest.raises(ReductionError, match=r"reduction 'mean' has no option 'dim'; its options are \[per_feature\] "
-                                             r"\(there is no per-channel or axis option: see 'Per channel of conv"):
+                                             r"\(there is no per-channel or axis option: see section 'Per channel "
+                                             r"of conv feature maps' of docs/usage/reductions.md \(in activationscope's "
+                                             r"source distribution\)\)"):
         make()
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import (ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError,
-                      StoreLockedError, warn_at_caller)
+                      StoreLockedError, docs_page, warn_at_caller)
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -1216,7 +1216,7 @@ def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
             raise ArgumentValueError(
                 f"--reduce: {spec!r} looks like a custom reduction file; --reduce takes built-in reductions only "
                 f"({', '.join(BUILTIN_REDUCTIONS)}). Capture with a custom reduction from Python: "
-                f"ActivationScope(reductions=[{spec.strip()!r}]) (docs/usage/reductions.md, \"Custom reductions\")")
+                f"ActivationScope(reductions=[{spec.strip()!r}]) ({docs_page('docs/usage/reductions.md', 'Custom reductions')})")
         if m is None:
             raise ArgumentValueError(f"--reduce: {spec!r} is not a reduction name or name[option=value,...] "
                                      "(e.g. hist[lo=-4,hi=4,bins=32])")
@@ -1393,7 +1393,7 @@ def _decoder_hint(model: Any, inputs: Any) -> str:
     return (f"; {type(model).__name__} is an encoder-decoder model, and the command gives it each text as "
             "input_ids and attention_mask only, without a decoder input, which this model does not make from "
             "them (BART does, T5 does not): capture it in Python, giving the decoder its input and each side its "
-            "own mask (docs/usage/capture.md, \"Encoder-decoder models and other models of two sequences\")")
+            f"own mask ({docs_page('docs/usage/capture.md', 'Encoder-decoder models and other models of two sequences')})")
 
 
 def _batch_len(inputs: Any) -> int:

@@ -58,6 +58,7 @@ from activationscope.errors import (
     ArgumentValueError,
     CaptureError,
     ReductionError,
+    docs_page,
     warn_at_caller,
 )
 
@@ -509,9 +510,9 @@ def _parse_options(options: Mapping[str, Any], spec: Any = None) -> dict[str, fl
         allowed = (*BUILTIN_OPTION_NAMES[spec], "per_feature")
         for k in options:
             if k not in allowed:
-                hint = (" (there is no per-channel or axis option: see 'Per channel of conv feature maps' in "
-                        "docs/usage/reductions.md)" if k in ("dim", "dims", "axis", "axes", "per_channel", "channel")
-                        else "")
+                hint = (f" (there is no per-channel or axis option: see "
+                        f"{docs_page('docs/usage/reductions.md', 'Per channel of conv feature maps')})"
+                        if k in ("dim", "dims", "axis", "axes", "per_channel", "channel") else "")
                 raise ReductionError(f"reduction {spec!r} has no option {k!r}; its options are [{', '.join(allowed)}]"
                                      f"{hint}")
     out = {}

@@ -34,7 +34,7 @@ from . import _native, compiled
 from .._args import parse_flag
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning,
                       HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, StoreLockedError,
-                      names_repr, warn_at_caller)
+                      docs_page, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
                     bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
                     without_wrappers, wrapper_hint)
@@ -1200,8 +1200,8 @@ class Tracker:
                         f"custom reduction {bad[0]!r} has no merge rule (a plain function): a multi-rank capture "
                         "merges every rank's reduction state when it commits, so its rank stores could never be "
                         "committed. Script a torch.nn.Module with forward(acc, x) and merge(a, b) methods "
-                        "(docs/usage/reductions.md, 'Merging custom reductions'), or capture a store per rank with "
-                        "store_options={'process_group': False}; nothing was written"
+                        f"({docs_page('docs/usage/reductions.md', 'Merging custom reductions')}), or capture a "
+                        "store per rank with store_options={'process_group': False}; nothing was written"
                     )
             try:
                 self.writer = open_writer(
@@ -2628,8 +2628,8 @@ class Tracker:
                 f"{shown}. They are stored one row per sample, each a whole {seq} with the {side}'s padding inside "
                 f"(in the rows and the reductions), and a batch of another {seq} length is refused. For one row per "
                 f"{tokens} capture the {side} in a tracker of its own, described with the {side}'s mask "
-                "(docs/usage/capture.md, \"Encoder-decoder models\"); token_rows={pattern: False} says that sample "
-                "rows are meant",
+                f"({docs_page('docs/usage/capture.md', 'Encoder-decoder models and other models of two sequences')}); "
+                "token_rows={pattern: False} says that sample rows are meant",
                 CaptureWarning,
             )
 
@@ -3545,7 +3545,7 @@ class Tracker:
         else:
             fix = ("Capture each side with its own mask: one tracker per side on the same model, nested (each "
                    "with its own store, include= that side's modules, and its own set_batch(attention_mask=...)), see "
-                   "docs/usage/capture.md, \"Encoder-decoder models\"")
+                   + docs_page("docs/usage/capture.md", "Encoder-decoder models and other models of two sequences"))
             rows = (f"{side}'s activations at the other sequence's tokens, listed with that sequence's positions and "
                     "columns" if side != "either" else "activations at one sequence's tokens whichever it is on")
         raise CaptureError(

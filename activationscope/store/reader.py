@@ -1135,8 +1135,8 @@ class Store:
 
         One segment ``[0, n_rows]`` when the array's shards are mapped back to back as one
         view (local, uncompressed, the default layout, native extension present, and the
-        shards of all the store's arrays fit in its budget of memory mappings: see
-        docs/usage/store.md); otherwise one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
+        shards of all the store's arrays fit in its budget of memory mappings: see section
+        "Zero-copy reads" of docs/usage/store.md in the source distribution); otherwise one segment per shard. ``rows(hook_point, a, b)`` within one segment is a view;
         across segments one copy.
 
         Parameters
@@ -2192,7 +2192,8 @@ class Store:
     def on_unmap(self, callback: Any) -> None:
         """Have ``callback()`` (no arguments) called whenever this store drops mappings from
         its cache: to stay within the process's budget of memory mappings
-        (``vm.max_map_count``, shared by every open store; see docs/usage/store.md), when a
+        (``vm.max_map_count``, shared by every open store; see section "Zero-copy reads" of
+        docs/usage/store.md in the source distribution), when a
         mapping is replaced by a longer one of the same file (rows committed since) or by
         the array's shards mapped back to back, when :meth:`refresh` finds another run in
         the store's place, after :meth:`verify`, or on :meth:`close`.
