@@ -418,3 +418,140 @@ def test_store_of_many_forwards_in_flight_equals_plain_hooks(tmp_path, device):
         assert torch.equal(st.reductions[hp]["max"], rows.max(0).values), hp
         assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
     assert st.verify() == []
+
+
+class _EverySecond(torch.nn.Module):
+    def forward(self, x):
+        return x[..., ::2]  # a strided view of its input
+
+
+class _Transpose(torch.nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)  # a transposed view (not contiguous)
+
+
+class _NegInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.neg_()  # writes through the views into the Linear's output
+
+
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU, "store"])
+@torch.no_grad()
+def test_non_contiguous_activations_are_copied_by_value(tmp_path, device, storage):
+    # views that are not contiguous (a strided slice, a transpose of it) are copied to the host
+    # (or within the device) element by element, before the in-place change after them
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _EverySecond(), _Transpose(), _NegInPlace()).to(device).eval()
+    xs = [torch.randn(16, 8, 64, device=device) for _ in range(3)]
+    names = ["1", "2"]
+    want = [_reference(model, x, names) for x in xs]
+    path = str(tmp_path / "nc.zarr")
+    scope = acs.ActivationScope(store=path) if storage == "store" else acs.ActivationScope(storage=storage)
+    with scope.track(model, include=names) as tr:
+        for x in xs:
+            out = model(x)
+            assert not out.is_contiguous()
+    if storage == "store":
+        st = acs.open_store(path)
+        for hp in ("1.output", "2.output"):
+            assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+        return
+    for hp in ("1.output", "2.output"):
+        recs = tr.activations[hp]
+        assert len(recs) == len(xs)
+        for rec, w in zip(recs, want):
+            assert torch.equal(rec.cpu(), w[hp]), hp
+
+
+class _Scribble(torch.nn.Module):
+    """Allocates tensors of its input's size and fills them with NaN: the caching allocator
+    hands out memory just freed, so a snapshot whose memory was given back before its copy
+    to the host finished would be read as NaN."""
+
+    def forward(self, x):
+        for _ in range(4):
+            torch.empty_like(x).fill_(float("nan"))
+        return x
+
+
+@torch.no_grad()
+def test_snapshot_memory_is_not_reused_before_its_copy_finished(tmp_path, device):
+    width = 1024
+    layers: list[torch.nn.Module] = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(width, width), _Scribble()]
+    model = torch.nn.Sequential(*layers).to(device).eval()
+    xs = [torch.randn(2048, width, device=device) for _ in range(4)]  # 8 MiB per hook point and call
+    names = [str(2 * i) for i in range(6)]
+    want = [_reference(model, x, names) for x in xs]
+    path = str(tmp_path / "reuse.zarr")
+    with acs.ActivationScope().track(model, include=names) as tr:
+        for x in xs:
+            model(x)
+    with acs.ActivationScope(store=path).track(model, include=names):
+        for x in xs:
+            model(x)
+    st = acs.open_store(path)
+    for hp in (f"{n}.output" for n in names):
+        for rec, w in zip(tr.activations[hp], want):
+            assert not rec.isnan().any() and torch.equal(rec.cpu(), w[hp]), hp
+        assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+
+
+@torch.no_grad()
+def test_inference_mode_capture_of_inputs_and_outputs(tmp_path, device):
+    # inference tensors have no version counter: whether an input is the previous module's
+    # output is told by its bytes on the CPU; on a device it is kept on its own. Either way the
+    # records and the stored rows are the values plain hooks see.
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(device).eval()
+    xs = [torch.randn(8, 32, device=device) for _ in range(3)]
+    want = []
+    for x in xs:
+        w: dict[str, torch.Tensor] = {}
+        handles = [m.register_forward_hook(
+            lambda m, a, o, _n=n: w.update({f"{_n}.input.0": a[0].detach().cpu().clone(),
+                                            f"{_n}.output": o.detach().cpu().clone()}))
+            for n, m in model.named_children()]
+        model(x)
+        for h in handles:
+            h.remove()
+        want.append(w)
+    path = str(tmp_path / "inf.zarr")
+    with torch.inference_mode():
+        with acs.ActivationScope(capture="both").track(model) as tr:
+            for x in xs:
+                model(x)
+        with acs.ActivationScope(capture="both", store=path).track(model):
+            for x in xs:
+                model(x)
+    st = acs.open_store(path)
+    for hp in want[0]:
+        for rec, w in zip(tr.activations[hp], want):
+            assert torch.equal(rec.cpu(), w[hp]), hp
+        assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_store_of_a_model_on_a_compute_stream_of_its_own(tmp_path):
+    # the rows' copies to pinned host memory wait for the model's own stream (the current one
+    # inside torch.cuda.stream), not the default stream: rows read before the model wrote them,
+    # or after the in-place ReLU, would differ
+    model = _deep("cuda", width=256, depth=3)
+    xs = [torch.randn(2048, 256, device="cuda") for _ in range(8)]
+    names = ["0", "4"]
+    want = [_reference(model, x, names) for x in xs]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    path = str(tmp_path / "stream.zarr")
+    with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=names):
+        with torch.cuda.stream(s):
+            for x in xs:
+                x.record_stream(s)
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+    st = acs.open_store(path)
+    for hp in ("0.output", "4.output"):
+        rows = torch.cat([w[hp] for w in want])
+        assert torch.equal(st[hp], rows), hp
+        assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
