@@ -555,3 +555,52 @@ def test_store_of_a_model_on_a_compute_stream_of_its_own(tmp_path):
         rows = torch.cat([w[hp] for w in want])
         assert torch.equal(st[hp], rows), hp
         assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["memory", "store"])
+@torch.no_grad()
+def test_a_forward_during_cuda_graph_capture_is_refused(tmp_path, monkeypatch, store):
+    # A CPU stand-in for torch.cuda.graph: the current stream says it is capturing. The
+    # captured kernels and copies run only at a replay, which runs no hook: the records, rows
+    # and reductions of such a forward would hold no values. Refused before anything is kept;
+    # the forwards before and after are captured.
+    model = _deep("cpu", width=16, depth=1)
+    xs = [torch.randn(4, 16) for _ in range(3)]
+    path = str(tmp_path / "g.zarr")
+    scope = acs.ActivationScope(store=path, reductions=["mean"]) if store else acs.ActivationScope(reductions=["mean"])
+    with scope.track(model, include=["0"]) as tr:
+        model(xs[0])
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_initialized", lambda: True)
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            with pytest.raises(acs.CaptureError, match="while a CUDA graph is being captured .* nothing of this "
+                                                       "forward was kept"):
+                model(xs[1])
+        model(xs[2])
+    rows = torch.cat([model[0](x) for x in (xs[0], xs[2])])
+    got = acs.open_store(path)["0.output"] if store else torch.cat(tr.activations["0.output"])
+    assert torch.equal(got, rows)
+    mean = acs.open_store(path).reductions["0.output"]["mean"] if store else tr.reductions["0.output"]["mean"]
+    assert torch.allclose(mean, rows.double().mean(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_a_forward_under_torch_cuda_graph_is_refused():
+    model = _deep("cuda", depth=1)
+    x = torch.randn(64, 256, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with acs.ActivationScope().track(model, include=["0"]) as tr:
+        with torch.cuda.stream(s):
+            model(x)  # a warm-up forward, captured as any other
+        torch.cuda.current_stream().wait_stream(s)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("The CUDA Graph is empty": nothing ran in it)
+            with pytest.raises(acs.CaptureError, match="while a CUDA graph is being captured"):
+                with torch.cuda.graph(g):
+                    model(x)
+    (rec,) = tr.activations["0.output"]
+    assert torch.equal(rec, model[0](x).cpu())
