@@ -604,3 +604,43 @@ def test_a_forward_under_torch_cuda_graph_is_refused():
                     model(x)
     (rec,) = tr.activations["0.output"]
     assert torch.equal(rec, model[0](x).cpu())
+
+
+@pytest.mark.parametrize("kind", ["mean", "var", "max", "cov"])
+def test_builtin_state_loaded_on_the_cpu_follows_the_rows_to_their_device(kind):
+    # A CPU stand-in for a resumed store's state (on the CPU) continued with rows of a CUDA
+    # model: rows on the meta device. The accumulators move to the rows' device once, as a
+    # custom reduction's do; they were left on the CPU, and every later batch was copied to the
+    # host to be reduced there (rows of the meta device cannot be: an error).
+    from activationscope.capture.reductions import make_reduction
+
+    first = make_reduction(kind)
+    first.update(torch.randn(5, 3, dtype=torch.float64), 0)
+    r = make_reduction(kind, init=first.state())
+    r.update(torch.ones(2, 3, device="meta"), 5)
+    result = {k: v for k, v in r.result().items() if k != "count"}  # (the count: a CPU scalar)
+    assert result and all(v.device.type == "meta" for v in result.values()), {k: v.device for k, v in result.items()}
+    r.update(torch.ones(2, 3, device="meta"), 7)  # later rows of that device: nothing moves
+    assert all(v.device.type == "meta" for k, v in r.result().items() if k != "count")
+
+
+@torch.no_grad()
+def test_resumed_capture_continues_builtin_reductions_on_the_rows_device(tmp_path, device):
+    model = _deep(device, depth=1)
+    xs = [torch.randn(32, 256, device=device) for _ in range(4)]
+    path = str(tmp_path / "rb.zarr")
+    reds = ["mean", "var", "max"]
+    with acs.ActivationScope(store=path, reductions=reds).track(model, include=["0"]):
+        for x in xs[:2]:
+            model(x)
+    with acs.ActivationScope(store=path, store_options={"resume": True}, reductions=reds).track(
+            model, include=["0"]) as tr:
+        for x in xs[2:]:
+            model(x)
+        assert tr.reductions["0.output"]["mean"].device == x.device  # (on the CPU: the stored state's)
+    st = acs.open_store(path)
+    rows = torch.cat([model[0](x) for x in xs]).cpu().double()
+    got = st.reductions["0.output"]
+    assert torch.allclose(got["mean"], rows.mean(0), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got["var"], rows.var(0, correction=0), rtol=1e-10, atol=1e-12)
+    assert torch.equal(got["max"].double(), rows.max(0).values)
