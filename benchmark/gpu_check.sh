@@ -18,9 +18,11 @@
 # Each step has its own time limit (wheels 30 s, build 210 s, tests 120 s, benchmark 120 s:
 # 8 minutes at the very worst). The device and build steps stop
 # the script at a failure; the tests and the benchmark run whatever the other's outcome, and
-# the script exits with the first failing step's status.
+# the script exits with the first failing step's status. Whatever happens, it ends with a
+# summary (each step: ok or its exit status, seconds, what it found), also written to
+# $OUT/gpu-steps-DATE.json.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python
   elif command -v python3 >/dev/null; then PY=python3
@@ -34,25 +36,56 @@ mkdir -p "$OUT"
 STAMP=$(date +%Y-%m-%d)
 start=$(date +%s)
 status=0
-step() { echo "== [$(( $(date +%s) - start )) s] $*"; }
-fail() {  # fail STATUS WHAT: remember the first failure
+STEPS=()  # "name|exit status|seconds|detail" of each step that ran, for the summary
+current=""
+current_t0=$start
+step() {  # step NAME TEXT: a step begins (the one before it ended ok unless done said otherwise)
+  [ -z "$current" ] || done_step 0 ""
+  current=$1
+  current_t0=$(date +%s)
+  echo "== [$(( current_t0 - start )) s] $2"
+}
+done_step() {  # done_step STATUS DETAIL: the current step ended
+  [ -n "$current" ] || return 0
+  STEPS+=("$current|$1|$(( $(date +%s) - current_t0 ))|$2")
+  current=""
+}
+fail() {  # fail STATUS WHAT: the current step failed; remember the first failure
   echo "!! $2 failed (exit status $1)"
   [ "$status" -ne 0 ] || status=$1
+  done_step "$1" "$2"
 }
+json_str() { printf '"%s"' "$(printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' | tr -d '\000-\037')"; }
+summary() {  # at exit, whatever the cause: one line per step, and the same as JSON
+  done_step 0 ""
+  echo "== summary (exit status $status; dry run: $DRY)"
+  local json="" sep="" name rc secs detail
+  for s in ${STEPS[@]+"${STEPS[@]}"}; do
+    IFS='|' read -r name rc secs detail <<<"$s"
+    printf '  %-10s %-16s %5s s  %s\n' "$name" "$([ "$rc" = 0 ] && echo ok || echo "FAILED ($rc)")" "$secs" "$detail"
+    json+="$sep{\"step\": $(json_str "$name"), \"exit_status\": $rc, \"seconds\": $secs, \"detail\": $(json_str "$detail")}"
+    sep=", "
+  done
+  printf '{"exit_status": %s, "dry_run": %s, "steps": [%s]}\n' "$status" "$([ "$DRY" = 1 ] && echo true || echo false)" \
+    "$json" >"$OUT/gpu-steps-$STAMP.json"
+  echo "  (also $OUT/gpu-steps-$STAMP.json)"
+}
+trap summary EXIT
 
-step "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))$([ "$DRY" = 1 ] && echo ', dry run on the CPU')"
+step python "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))$([ "$DRY" = 1 ] && echo ', dry run on the CPU')"
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE=${ACS_SITE:-$(mktemp -d /tmp/acs-site.XXXXXX)}
-  step "install $(ls "$WHEELS"/*.whl | wc -l) wheels of $WHEELS into $SITE"
+  n_wheels=$(find "$WHEELS" -maxdepth 1 -name '*.whl' | wc -l)
+  step wheels "install $n_wheels wheels of $WHEELS into $SITE"
   timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --disable-pip-version-check --target "$SITE" "$WHEELS"/*.whl || { fail $? "wheel install"; exit $status; }
+    --disable-pip-version-check --target "$SITE" "$WHEELS"/*.whl || { fail $? "wheel install"; exit "$status"; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-step "runtime dependencies"
-"$PY" - <<'EOF' || { fail $? "dependency check"; exit $status; }
+step deps "runtime dependencies"
+"$PY" - <<'PYEOF' || { fail $? "dependency check"; exit "$status"; }
 import importlib, sys
 missing = []
 for name in ("torch", "numpy", "zarr", "numcodecs", "google_crc32c", "donfig", "pyarrow", "fsspec", "tqdm", "pytest"):
@@ -63,48 +96,62 @@ for name in ("torch", "numpy", "zarr", "numcodecs", "google_crc32c", "donfig", "
         missing.append(f"{name} ({e})")
 if missing:
     sys.exit(f"missing: {', '.join(missing)}: run `bash benchmark/gpu_wheels.sh` where pip works, and bring .whl/ along")
-EOF
+PYEOF
 
-step "device"
+step device "device"
 if [ "$DRY" = 1 ]; then
   echo "  dry run: no CUDA needed"
 else
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   "$PY" -c "import torch, sys; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', ok, 'devices', torch.cuda.device_count()); sys.exit(0 if ok else 3)" \
-    || { fail $? "CUDA check (torch.cuda.is_available() is False; ACS_GPU_DRY_RUN=1 runs the CPU steps)"; exit $status; }
+    || { fail $? "CUDA check (torch.cuda.is_available() is False; ACS_GPU_DRY_RUN=1 runs the CPU steps)"; exit "$status"; }
 fi
 
-step "build the extension against torch $("$PY" -c 'import torch; print(torch.__version__)') (setup.py build_ext --inplace, MAX_JOBS=$(nproc))"
+step build "build the extension against torch $("$PY" -c 'import torch; print(torch.__version__)') (setup.py build_ext --inplace, MAX_JOBS=$(nproc))"
 MAX_JOBS=$(nproc) timeout "${ACS_BUILD_TIMEOUT_S:-210}" "$PY" setup.py -q build_ext --inplace >"$OUT/gpu-build-$STAMP.log" 2>&1
 rc=$?
 tail -5 "$OUT/gpu-build-$STAMP.log"
-[ $rc -eq 0 ] || { fail $rc "build (log: $OUT/gpu-build-$STAMP.log)"; exit $status; }
+[ $rc -eq 0 ] || { fail $rc "build (log: $OUT/gpu-build-$STAMP.log)"; exit "$status"; }
 "$PY" -c "from activationscope.capture import _native; m = _native.load(); print('  loaded', m.__file__, 'built against torch', m.TORCH_VERSION)" \
-  || { fail $? "loading the extension"; exit $status; }
+  || { fail $? "loading the extension"; exit "$status"; }
 
 # Collecting `tests` imports every test module; those that need packages missing here (dask,
 # moto, transformer_lens, ...) import them inside the tests (pytest.importorskip), so the
 # gpu-marked tests are collected with the rest. Without CUDA every gpu-marked test skips.
-step "gpu-marked tests"
-timeout 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests >"$OUT/gpu-tests-$STAMP.log" 2>&1
+# -v: the log names each test as it ends, so a run stopped at its limit still shows how far it
+# got; faulthandler_timeout: a test stuck past 60 s (a copy that never completes) prints every
+# thread's stack into the log; -rfEs: failures, errors and skips in the short summary.
+step tests "gpu-marked tests"
+timeout 120 "$PY" -m pytest -v -rfEs -p no:cacheprovider -o faulthandler_timeout=60 -m gpu tests \
+  >"$OUT/gpu-tests-$STAMP.log" 2>&1
 rc=$?
-tail -25 "$OUT/gpu-tests-$STAMP.log"
+grep -E '^(FAILED|ERROR|SKIPPED) ' "$OUT/gpu-tests-$STAMP.log" | head -40
+counts=$(grep -E '^=+ .*(passed|failed|skipped|error|deselected|no tests ran).* =+$' "$OUT/gpu-tests-$STAMP.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+[ -n "$counts" ] || counts="no pytest summary (stopped at its limit? the log shows the last test that ended)"
+echo "  $counts"
 if [ $rc -ne 0 ]; then
-  fail $rc "gpu-marked tests"
-elif [ "$DRY" = 1 ] && ! grep -q -E '[0-9]+ skipped' "$OUT/gpu-tests-$STAMP.log"; then
-  fail 1 "gpu-marked tests (the dry run expects them collected and skipped)"
+  fail $rc "gpu-marked tests: $counts"
+elif [ "$DRY" = 1 ] && ! grep -q -E '[0-9]+ skipped' <<<"$counts"; then
+  fail 1 "gpu-marked tests (the dry run expects them collected and skipped): $counts"
+else
+  done_step 0 "$counts"
 fi
 
-step "GPU benchmark"
+step bench "GPU benchmark"
 if [ "$DRY" = 1 ]; then
   BENCH=(--device cpu --forwards 5 --repeats 1)
 else
   BENCH=()
 fi
-timeout 120 "$PY" -m benchmark.gpu_bench "${BENCH[@]}" --json "$OUT/gpu-$STAMP.json" >"$OUT/gpu-bench-$STAMP.log" 2>&1
+timeout 120 "$PY" -m benchmark.gpu_bench ${BENCH[@]+"${BENCH[@]}"} --json "$OUT/gpu-$STAMP.json" \
+  >"$OUT/gpu-bench-$STAMP.log" 2>&1
 rc=$?
 cat "$OUT/gpu-bench-$STAMP.log"
-[ $rc -eq 0 ] || fail $rc "GPU benchmark"
+if [ $rc -ne 0 ]; then
+  fail $rc "GPU benchmark (log: $OUT/gpu-bench-$STAMP.log)"
+else
+  done_step 0 "$OUT/gpu-$STAMP.json"
+fi
 
-step "done (exit status $status): $OUT/gpu-$STAMP.json and the logs gpu-*-$STAMP.log"
-exit $status
+echo "== [$(( $(date +%s) - start )) s] done (exit status $status): $OUT/gpu-$STAMP.json and the logs gpu-*-$STAMP.log"
+exit "$status"

@@ -218,7 +218,7 @@ class Builtin : public Reduction {
     int64_t width = 1;  // values per row (whole-tensor mode: for row ids)
     if (per_feature_) {
       check_feature_shape(rows.sizes().slice(1));
-      if (!device_set_) set_device(rows.device());
+      follow_rows(rows.device());
       if (fast_path_applies(rows)) {
         own_slots();
         fast_update(RowsView{rows.const_data_ptr(), rows.scalar_type(), n, rows.numel() / n});
@@ -228,7 +228,7 @@ class Builtin : public Reduction {
       x = rows.detach().to(device_, work_dtype(rows.scalar_type())).reshape({n, -1});
     } else {
       if (rows.numel() == 0) return;
-      if (!device_set_) set_device(rows.device());
+      follow_rows(rows.device());
       width = rows.numel() / n;
       x = rows.detach().to(device_, work_dtype(rows.scalar_type())).reshape({-1, 1});
     }
@@ -352,7 +352,7 @@ class Builtin : public Reduction {
     if (!per_feature_ || stats_needed() == 0 || rows.dim() == 0 || rows.size(0) == 0 || rows.is_complex())
       return false;
     check_feature_shape(rows.sizes().slice(1));
-    if (!device_set_) set_device(rows.device());
+    follow_rows(rows.device());
     if (!fast_path_applies(rows)) return false;
     own_slots();
     return true;
@@ -440,11 +440,24 @@ class Builtin : public Reduction {
   bool has_feat_ = false;
   at::Device device_{at::kCPU};
   bool device_set_ = false;
+  bool device_from_rows_ = false;  // device_ is that of rows seen (not of a loaded or merged state)
 
  private:
   void set_device(const at::Device& d) {
     device_ = d;
     device_set_ = true;
+  }
+  // The accumulators live on the device of the first rows. A state loaded (a resumed store's,
+  // on the CPU) or merged in before any rows moves to the rows' device at the first rows, once,
+  // as a custom reduction's accumulator does: else every later batch of a CUDA model would be
+  // copied to the host (synchronously) to be reduced there. Rows of another device after that
+  // are moved to the accumulators' device.
+  void follow_rows(const at::Device& d) {
+    if (device_set_ && !device_from_rows_ && d != device_) {
+      for (auto& x : acc_) x.t = x.t.to(d);
+    }
+    if (!device_from_rows_) set_device(d);
+    device_from_rows_ = true;
   }
   void reset() {
     count_ = 0;
@@ -452,6 +465,7 @@ class Builtin : public Reduction {
     feat_.clear();
     has_feat_ = false;
     device_set_ = false;
+    device_from_rows_ = false;
   }
   bool fast_path_applies(const at::Tensor& rows) const {
     return has_fast_path() && device_.is_cpu() && rows.device().is_cpu() &&

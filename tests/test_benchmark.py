@@ -618,3 +618,128 @@ def test_hook_points_reports_each_size_with_its_counts(tmp_path, capsys):
         assert m["partial_shards_asked"] == 0
     assert doc["sizes"]["3"]["resume_stores_opened"] == doc["sizes"]["6"]["resume_stores_opened"]
     assert "hook points" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the GPU check (CPU-runnable parts)
+# benchmark/gpu_check.sh and benchmark/gpu_bench.py run on a lent CUDA machine for a few minutes
+# at most: a typo, a wrong flag or a failure that stops everything would cost that whole run.
+
+
+def _tiny_toy(batch, dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]).to(dev).eval()
+    return model, torch.randn(batch, 8, device=dev), "both", None
+
+
+def test_gpu_bench_keeps_measuring_after_a_failing_workload(tmp_path, monkeypatch):
+    """One workload that raises is reported under ``failures`` (exit status 1) and the others
+    still run, each with every mode timed and its values checked; the JSON is complete."""
+    from benchmark import gpu_bench
+
+    def broken_encoder(dev, batch=16):
+        raise RuntimeError("no encoder here")
+
+    monkeypatch.setattr(gpu_bench, "toy", _tiny_toy)
+    monkeypatch.setattr(gpu_bench, "encoder", broken_encoder)
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--device", "cpu", "--forwards", "2", "--repeats", "1", "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True
+    assert doc["failures"] == {"encoder": "RuntimeError: no encoder here"}
+    assert [r["workload"] for r in doc["results"]] == ["toy_b32", "toy_b256"]
+    for r in doc["results"]:
+        assert set(r["seconds"]) == {"plain", "snapshot", "gpu_storage", "store", "copy_only", "plain_end"}
+        assert all(v > 0 for v in r["seconds"].values())
+        assert r["tensors_checked"] == 6  # 3 Linear: inputs and outputs
+        # an input that is the previous Linear's output shares its record: 4 distinct tensors
+        assert r["captured_bytes_per_forward"] == 4 * r["batch_shape"][0] * 8 * 4
+
+
+def test_gpu_bench_value_check_fails_on_a_wrong_capture(monkeypatch):
+    """The check before timing compares every captured tensor with plain PyTorch hooks: a
+    difference is an error naming the hook point."""
+    from benchmark import gpu_bench
+
+    real = gpu_bench.reference
+
+    def off_by_one(model, x, capture, include):
+        want = real(model, x, capture, include)
+        want["1.output"] = want["1.output"] + 1
+        return want
+
+    model, x, capture, include = _tiny_toy(4, torch.device("cpu"))
+    with torch.no_grad():
+        assert gpu_bench.check_values(model, x, capture, include) == 6
+        monkeypatch.setattr(gpu_bench, "reference", off_by_one)
+        with pytest.raises(AssertionError, match="'1.output' differ"):
+            gpu_bench.check_values(model, x, capture, include)
+
+
+GPU_CHECK = Path(runner.REPO) / "benchmark" / "gpu_check.sh"
+
+# A stand-in for python in gpu_check.sh: the build succeeds at once, pytest reports a failure,
+# the benchmark writes its JSON; anything else runs the real python.
+_FAKE_PY = """#!/usr/bin/env bash
+case " $* " in
+  *" setup.py "*) echo "built"; exit 0 ;;
+  *" -m pytest "*) echo "FAILED tests/test_cuda.py::test_x[cuda] - AssertionError"
+                   echo "==== 1 failed, 2 passed, 1 skipped in 3.00s ===="; exit 1 ;;
+  *" -m benchmark.gpu_bench "*) while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{"results": []}' >"$2"; shift; done
+                                echo "bench ran"; exit 0 ;;
+esac
+exec {python} "$@"
+"""
+
+
+def _run_gpu_check(tmp_path, **env):
+    import subprocess
+    import sys
+
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_PY.replace("{python}", sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    full = {**os.environ, "PY": str(fake), "OUT": str(out), "ACS_GPU_DRY_RUN": "1", "WHEELS": str(tmp_path / "none"),
+            "PYTHONPATH": runner.REPO, **env}
+    proc = subprocess.run(["bash", str(GPU_CHECK)], env=full, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_gpu_check_runs_the_benchmark_after_failing_tests_and_exits_with_their_status(tmp_path):
+    proc, out = _run_gpu_check(tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "bench ran" in proc.stdout  # the benchmark still ran
+    assert "FAILED tests/test_cuda.py::test_x[cuda]" in proc.stdout  # the failing test is named
+    steps = json.loads(next(out.glob("gpu-steps-*.json")).read_text())
+    assert steps["exit_status"] == 1 and steps["dry_run"] is True
+    by_name = {s["step"]: s for s in steps["steps"]}
+    assert list(by_name) == ["python", "deps", "device", "build", "tests", "bench"]
+    assert by_name["tests"]["exit_status"] == 1 and "1 failed, 2 passed, 1 skipped" in by_name["tests"]["detail"]
+    assert by_name["bench"]["exit_status"] == 0 and by_name["build"]["exit_status"] == 0
+    assert json.loads(next(out.glob("gpu-2*.json")).read_text()) == {"results": []}
+    assert "== summary (exit status 1" in proc.stdout
+
+
+def test_gpu_check_stops_at_a_failed_wheel_install_with_a_summary(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "bogus-1.0-py3-none-any.whl").write_text("not a wheel")
+    proc, out = _run_gpu_check(tmp_path, WHEELS=str(wheels))
+    assert proc.returncode != 0
+    steps = json.loads(next(out.glob("gpu-steps-*.json")).read_text())
+    assert [s["step"] for s in steps["steps"]] == ["python", "wheels"]
+    assert steps["steps"][-1]["exit_status"] == steps["exit_status"] != 0
+    assert "bench ran" not in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
+def test_gpu_shell_scripts_parse_and_pass_shellcheck(script):
+    import shutil
+    import subprocess
+
+    path = Path(runner.REPO) / "benchmark" / script
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (bash -n passed)")
+    proc = subprocess.run(["shellcheck", "-S", "warning", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

@@ -418,3 +418,230 @@ def test_store_of_many_forwards_in_flight_equals_plain_hooks(tmp_path, device):
         assert torch.equal(st.reductions[hp]["max"], rows.max(0).values), hp
         assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
     assert st.verify() == []
+
+
+class _EverySecond(torch.nn.Module):
+    def forward(self, x):
+        return x[..., ::2]  # a strided view of its input
+
+
+class _Transpose(torch.nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)  # a transposed view (not contiguous)
+
+
+class _NegInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.neg_()  # writes through the views into the Linear's output
+
+
+@pytest.mark.parametrize("storage", [StoragePolicy.AUTO, StoragePolicy.GPU, "store"])
+@torch.no_grad()
+def test_non_contiguous_activations_are_copied_by_value(tmp_path, device, storage):
+    # views that are not contiguous (a strided slice, a transpose of it) are copied to the host
+    # (or within the device) element by element, before the in-place change after them
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _EverySecond(), _Transpose(), _NegInPlace()).to(device).eval()
+    xs = [torch.randn(16, 8, 64, device=device) for _ in range(3)]
+    names = ["1", "2"]
+    want = [_reference(model, x, names) for x in xs]
+    path = str(tmp_path / "nc.zarr")
+    scope = acs.ActivationScope(store=path) if storage == "store" else acs.ActivationScope(storage=storage)
+    with scope.track(model, include=names) as tr:
+        for x in xs:
+            out = model(x)
+            assert not out.is_contiguous()
+    if storage == "store":
+        st = acs.open_store(path)
+        for hp in ("1.output", "2.output"):
+            assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+        return
+    for hp in ("1.output", "2.output"):
+        recs = tr.activations[hp]
+        assert len(recs) == len(xs)
+        for rec, w in zip(recs, want):
+            assert torch.equal(rec.cpu(), w[hp]), hp
+
+
+class _Scribble(torch.nn.Module):
+    """Allocates tensors of its input's size and fills them with NaN: the caching allocator
+    hands out memory just freed, so a snapshot whose memory was given back before its copy
+    to the host finished would be read as NaN."""
+
+    def forward(self, x):
+        for _ in range(4):
+            torch.empty_like(x).fill_(float("nan"))
+        return x
+
+
+@torch.no_grad()
+def test_snapshot_memory_is_not_reused_before_its_copy_finished(tmp_path, device):
+    width = 1024
+    layers: list[torch.nn.Module] = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(width, width), _Scribble()]
+    model = torch.nn.Sequential(*layers).to(device).eval()
+    n = 2048 if device.type == "cuda" else 128  # on CUDA 8 MiB per hook point and call (the CPU: no copy stream)
+    xs = [torch.randn(n, width, device=device) for _ in range(4)]
+    names = [str(2 * i) for i in range(6)]
+    want = [_reference(model, x, names) for x in xs]
+    path = str(tmp_path / "reuse.zarr")
+    with acs.ActivationScope().track(model, include=names) as tr:
+        for x in xs:
+            model(x)
+    with acs.ActivationScope(store=path).track(model, include=names):
+        for x in xs:
+            model(x)
+    st = acs.open_store(path)
+    for hp in (f"{n}.output" for n in names):
+        for rec, w in zip(tr.activations[hp], want):
+            assert not rec.isnan().any() and torch.equal(rec.cpu(), w[hp]), hp
+        assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+
+
+@torch.no_grad()
+def test_inference_mode_capture_of_inputs_and_outputs(tmp_path, device):
+    # inference tensors have no version counter: whether an input is the previous module's
+    # output is told by its bytes on the CPU; on a device it is kept on its own. Either way the
+    # records and the stored rows are the values plain hooks see.
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(device).eval()
+    xs = [torch.randn(8, 32, device=device) for _ in range(3)]
+    want = []
+    for x in xs:
+        w: dict[str, torch.Tensor] = {}
+        handles = [m.register_forward_hook(
+            lambda m, a, o, _n=n: w.update({f"{_n}.input.0": a[0].detach().cpu().clone(),
+                                            f"{_n}.output": o.detach().cpu().clone()}))
+            for n, m in model.named_children()]
+        model(x)
+        for h in handles:
+            h.remove()
+        want.append(w)
+    path = str(tmp_path / "inf.zarr")
+    with torch.inference_mode():
+        with acs.ActivationScope(capture="both").track(model) as tr:
+            for x in xs:
+                model(x)
+        with acs.ActivationScope(capture="both", store=path).track(model):
+            for x in xs:
+                model(x)
+    st = acs.open_store(path)
+    for hp in want[0]:
+        for rec, w in zip(tr.activations[hp], want):
+            assert torch.equal(rec.cpu(), w[hp]), hp
+        assert torch.equal(st[hp], torch.cat([w[hp] for w in want])), hp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_store_of_a_model_on_a_compute_stream_of_its_own(tmp_path):
+    # the rows' copies to pinned host memory wait for the model's own stream (the current one
+    # inside torch.cuda.stream), not the default stream: rows read before the model wrote them,
+    # or after the in-place ReLU, would differ
+    model = _deep("cuda", width=256, depth=3)
+    xs = [torch.randn(2048, 256, device="cuda") for _ in range(8)]
+    names = ["0", "4"]
+    want = [_reference(model, x, names) for x in xs]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    path = str(tmp_path / "stream.zarr")
+    with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=names):
+        with torch.cuda.stream(s):
+            for x in xs:
+                x.record_stream(s)
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+    st = acs.open_store(path)
+    for hp in ("0.output", "4.output"):
+        rows = torch.cat([w[hp] for w in want])
+        assert torch.equal(st[hp], rows), hp
+        assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["memory", "store"])
+@torch.no_grad()
+def test_a_forward_during_cuda_graph_capture_is_refused(tmp_path, monkeypatch, store):
+    # A CPU stand-in for torch.cuda.graph: the current stream says it is capturing. The
+    # captured kernels and copies run only at a replay, which runs no hook: the records, rows
+    # and reductions of such a forward would hold no values. Refused before anything is kept;
+    # the forwards before and after are captured.
+    model = _deep("cpu", width=16, depth=1)
+    xs = [torch.randn(4, 16) for _ in range(3)]
+    path = str(tmp_path / "g.zarr")
+    scope = acs.ActivationScope(store=path, reductions=["mean"]) if store else acs.ActivationScope(reductions=["mean"])
+    with scope.track(model, include=["0"]) as tr:
+        model(xs[0])
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_initialized", lambda: True)
+            m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            with pytest.raises(acs.CaptureError, match="while a CUDA graph is being captured .* nothing of this "
+                                                       "forward was kept"):
+                model(xs[1])
+        model(xs[2])
+    rows = torch.cat([model[0](x) for x in (xs[0], xs[2])])
+    got = acs.open_store(path)["0.output"] if store else torch.cat(tr.activations["0.output"])
+    assert torch.equal(got, rows)
+    mean = acs.open_store(path).reductions["0.output"]["mean"] if store else tr.reductions["0.output"]["mean"]
+    assert torch.allclose(mean, rows.double().mean(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_a_forward_under_torch_cuda_graph_is_refused():
+    model = _deep("cuda", depth=1)
+    x = torch.randn(64, 256, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with acs.ActivationScope().track(model, include=["0"]) as tr:
+        with torch.cuda.stream(s):
+            model(x)  # a warm-up forward, captured as any other
+        torch.cuda.current_stream().wait_stream(s)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("The CUDA Graph is empty": nothing ran in it)
+            with pytest.raises(acs.CaptureError, match="while a CUDA graph is being captured"):
+                with torch.cuda.graph(g):
+                    model(x)
+    (rec,) = tr.activations["0.output"]
+    assert torch.equal(rec, model[0](x).cpu())
+
+
+@pytest.mark.parametrize("kind", ["mean", "var", "max", "cov"])
+def test_builtin_state_loaded_on_the_cpu_follows_the_rows_to_their_device(kind):
+    # A CPU stand-in for a resumed store's state (on the CPU) continued with rows of a CUDA
+    # model: rows on the meta device. The accumulators move to the rows' device once, as a
+    # custom reduction's do; they were left on the CPU, and every later batch was copied to the
+    # host to be reduced there (rows of the meta device cannot be: an error).
+    from activationscope.capture.reductions import make_reduction
+
+    first = make_reduction(kind)
+    first.update(torch.randn(5, 3, dtype=torch.float64), 0)
+    r = make_reduction(kind, init=first.state())
+    r.update(torch.ones(2, 3, device="meta"), 5)
+    result = {k: v for k, v in r.result().items() if k != "count"}  # (the count: a CPU scalar)
+    assert result and all(v.device.type == "meta" for v in result.values()), {k: v.device for k, v in result.items()}
+    r.update(torch.ones(2, 3, device="meta"), 7)  # later rows of that device: nothing moves
+    assert all(v.device.type == "meta" for k, v in r.result().items() if k != "count")
+
+
+@torch.no_grad()
+def test_resumed_capture_continues_builtin_reductions_on_the_rows_device(tmp_path, device):
+    model = _deep(device, depth=1)
+    xs = [torch.randn(32, 256, device=device) for _ in range(4)]
+    path = str(tmp_path / "rb.zarr")
+    reds = ["mean", "var", "max"]
+    with acs.ActivationScope(store=path, reductions=reds).track(model, include=["0"]):
+        for x in xs[:2]:
+            model(x)
+    with acs.ActivationScope(store=path, store_options={"resume": True}, reductions=reds).track(
+            model, include=["0"]) as tr:
+        for x in xs[2:]:
+            model(x)
+        assert tr.reductions["0.output"]["mean"].device == x.device  # (on the CPU: the stored state's)
+    st = acs.open_store(path)
+    rows = torch.cat([model[0](x) for x in xs]).cpu().double()
+    got = st.reductions["0.output"]
+    assert torch.allclose(got["mean"], rows.mean(0), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got["var"], rows.var(0, correction=0), rtol=1e-10, atol=1e-12)
+    assert torch.equal(got["max"].double(), rows.max(0).values)

@@ -746,6 +746,15 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _cuda_graph_capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph; False without a
+    query where CUDA was never initialised in this process (no GPU, or none used yet)."""
+    try:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # (a CUDA that cannot answer: no graph capture either)
+        return False
+
+
 def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether ``y`` reads exactly the memory of ``x`` the same way: the same storage, offset,
     shape, strides, dtype and device, and the same conjugate and negative bits (``x.detach()``,
@@ -2701,6 +2710,15 @@ class Tracker:
         )
 
     def _on_forward_start(self) -> None:
+        if self._core.capturing and _cuda_graph_capturing():
+            raise CaptureError(
+                "the tracked model runs while a CUDA graph is being captured (torch.cuda.graph, "
+                "torch.cuda.make_graphed_callables) on the current stream: its kernels and copies would only run "
+                "when the graph is replayed, and a replay runs no hook, so the records, store rows and reductions "
+                "of this forward would hold no values of it. Run the forwards to record eagerly, outside the graph "
+                "capture, and capture the graph outside `with scope.track(model)`; nothing of this forward was "
+                "kept"
+            )
         self._model_mask = None  # (noted again by the root's Python frame, which runs next)
         if self._nn_seq2seq:
             self._seq_masks = (None, None)  # (noted again at the calls of the stacks)
