@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmark.gpu_bench needs a CUDA device (torch.cuda.is_available() is False)")
+    grad_was = torch.is_grad_enabled()
     torch.set_grad_enabled(False)
     dev = torch.device(a.device)
     work = tempfile.mkdtemp(prefix="acs-gpu-bench-")
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump(doc, f, indent=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        torch.set_grad_enabled(grad_was)  # (main() is also called in-process, by the tests)
     doc["complete"] = True
     write_json(a.json, doc)
     return 1 if failures else 0

@@ -643,6 +643,7 @@ def test_gpu_bench_keeps_measuring_after_a_failing_workload(tmp_path, monkeypatc
     monkeypatch.setattr(gpu_bench, "encoder", broken_encoder)
     out = tmp_path / "gpu.json"
     assert gpu_bench.main(["--device", "cpu", "--forwards", "2", "--repeats", "1", "--json", str(out)]) == 1
+    assert torch.is_grad_enabled()  # (left as it was: the tests after this one train models)
     doc = json.loads(out.read_text())
     assert doc["complete"] is True
     assert doc["failures"] == {"encoder": "RuntimeError: no encoder here"}
