@@ -71,6 +71,9 @@ REFUSED_REDUCTION_FIX = V.REFUSED_REDUCTION_FIX
 #: Read-ahead of a sequential reader of memory-mapped rows: the next READ_AHEAD_BYTES after a
 #: read are advised (``madvise(MADV_WILLNEED)``), renewed when less than half is left.
 READ_AHEAD_BYTES = 64 << 20
+#: ... and at most this many shards: an array read per shard is advised one shard at a time, so a
+#: window of 64 MiB of small shards (thousands of them) cost milliseconds of each hinted read.
+READ_AHEAD_SHARDS = 16
 #: A window found warm (no hint needed) grows by this many read-aheads when the rows after
 #: it are warm too (``Store.will_read``).
 WARM_WINDOW_FACTOR = 3
@@ -1242,8 +1245,9 @@ class Store:
         pages (``madvise(MADV_WILLNEED)`` on the mapping) before they are touched, and, for a
         reader that moves forward (each hinted read starting at or after the last one, at
         most half a read-ahead past the advised range: sequential batches, also when
-        DataLoader workers take turns), the next ``READ_AHEAD_BYTES`` after them, so that
-        the disk reads ahead of the consumer instead of one page-fault read-around at a
+        DataLoader workers take turns), the next ``READ_AHEAD_BYTES`` after them (at most
+        ``READ_AHEAD_SHARDS`` shards: each shard of an array read per shard is one call), so
+        that the disk reads ahead of the consumer instead of one page-fault read-around at a
         time. Costs one ``madvise`` per
         about 8 MiB read when the pages are already cached, and none when the range's pages
         are already in the page cache; such a warm range also takes in the rows after it
@@ -1285,7 +1289,8 @@ class Store:
             row_bytes = (int(np.prod(feat)) if feat else 1) * F.itemsize(meta["dtype"])
             eligible = (_madvise is not None and isinstance(self._backend, LocalBackend)
                         and meta.get("compression") is None and row_bytes > 0)
-            hint = (meta, eligible, int(meta["n_rows"]), row_bytes, max(1, READ_AHEAD_BYTES // max(1, row_bytes)))
+            ahead_rows = min(READ_AHEAD_BYTES // max(1, row_bytes), READ_AHEAD_SHARDS * int(meta["shard_rows"]))
+            hint = (meta, eligible, int(meta["n_rows"]), row_bytes, max(1, ahead_rows))
             self._hints[hook_point] = hint
         _meta, eligible, n, row_bytes, ahead_rows = hint
         if not eligible:

@@ -78,6 +78,14 @@ _SERIAL_WRITE_S = 0.001
 #: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
 #: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
 PARTIAL_REWRITE_SHARE = 0.25
+#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards,
+#: the root every row-table part, one a commit): committed every interval, a long capture would write
+#: them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
+#: :meth:`StoreWriter.maybe_commit` waits until the documents written stay within this share of the
+#: bytes the capture appended (uncompressed), or :data:`DOCUMENT_MAX_WAIT_S` passed since the last commit.
+DOCUMENT_SHARE = 0.25
+DOCUMENT_ALLOWANCE_BYTES = 64 << 20
+DOCUMENT_MAX_WAIT_S = 60.0
 # names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
 # sample columns of each token's sample, where a sample column "pos" would hide the token position
 _RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
@@ -970,7 +978,12 @@ class StoreWriter:
         :meth:`close` commit at once. An array that holds the commits back (a hook point called
         in some forwards only) has its open shard written as a partial shard at most once per
         interval, up to a shard's bytes each time, while the partial shards written stay within
-        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured.
+        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured. Once commits wrote
+        ``DOCUMENT_ALLOWANCE_BYTES`` (64 MiB) of documents and row-table parts (a manifest lists
+        every shard of its array, the root every part), :meth:`maybe_commit` also waits until
+        they are within ``DOCUMENT_SHARE`` (25%) of the bytes captured, or
+        ``DOCUMENT_MAX_WAIT_S`` (60 s) passed since the last commit: a long capture commits less
+        often, so that what its commits write grows with its rows, not with their square.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -1336,6 +1349,7 @@ class StoreWriter:
         self._pending_samples = 0  # samples of the batches in _pending
         self._keep_held = False
         self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)
+        self._document_bytes = 0  # bytes of the documents and row-table parts commits wrote (maybe_commit)
         self._warned_budget = False  # (its warning: once per capture)  # (the store left its path: its held files are left where it went)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
@@ -2738,8 +2752,10 @@ class StoreWriter:
 
     def maybe_commit(self) -> bool:
         """Commit when due: the writer thread made new shards durable and ``commit_interval``
-        seconds passed since the last commit (or a recorded batch reached a new array, not listed yet);
-        cheap otherwise.
+        seconds passed since the last commit (or a recorded batch reached a new array, not listed yet),
+        and, once commits wrote ``DOCUMENT_ALLOWANCE_BYTES`` of documents, those stay within
+        ``DOCUMENT_SHARE`` of the bytes captured or ``DOCUMENT_MAX_WAIT_S`` seconds passed; cheap
+        otherwise.
 
         Returns
         -------
@@ -2759,8 +2775,15 @@ class StoreWriter:
         version = self._core.durable_version
         if version == self._seen_version and not self._unpublished:
             return False
-        if not self._unpublished and time.monotonic() - self._last_commit < self._commit_interval:
-            return False
+        if not self._unpublished:
+            waited = time.monotonic() - self._last_commit
+            if waited < self._commit_interval:
+                return False
+            if waited < DOCUMENT_MAX_WAIT_S and self._document_bytes > DOCUMENT_ALLOWANCE_BYTES:
+                # (a long capture: each commit rewrites documents as large as the run is long)
+                appended = sum(int(a.writer.n_rows) * a.row_nbytes for a in self._order if a.writer is not None)
+                if self._document_bytes > DOCUMENT_ALLOWANCE_BYTES + DOCUMENT_SHARE * appended:
+                    return False
         return self.commit()
 
     def commit(self) -> bool:
@@ -2898,13 +2921,16 @@ class StoreWriter:
             else:
                 self._note_found_files([key for key, _ in writes])
         self._set_many(writes)
+        self._document_bytes += sum(len(data) for _key, data in writes)
         for a in self._arrays.values():
             a.manifest_dirty = False
             if a.committed_rows > 0 or force:
                 a.doc_rows = a.committed_rows
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
-        b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
+        root = F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)}))
+        b.set("zarr.json", root)
+        self._document_bytes += len(root)
         self._root_n_samples = self.n_samples_committed
         self._unpublished = False
         self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
@@ -3152,6 +3178,7 @@ class StoreWriter:
         pq.write_table(table, sink)
         data = sink.getvalue()
         self._backend.set(key, data)
+        self._document_bytes += len(data)
         info["parts"].append(key)
         info.setdefault("crc32c", {})[key] = F.crc32c(data)
         info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows

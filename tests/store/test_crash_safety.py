@@ -312,6 +312,72 @@ def test_commit_interval_elapsed_lets_maybe_commit_through(tmp_path, monkeypatch
     w.close()
 
 
+def _count_document_writes(monkeypatch) -> list[int]:
+    """Bytes of each document and row-table part a writer writes (shards are written natively)."""
+    from activationscope.store._backend import LocalBackend
+
+    sizes: list[int] = []
+    set_ = LocalBackend.set
+
+    def counted(self, key, data, *args, **kwargs):
+        sizes.append(len(data))
+        return set_(self, key, data, *args, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "set", counted)
+    return sizes
+
+
+def test_a_long_capture_writes_documents_within_a_share_of_its_rows(tmp_path, monkeypatch):
+    # every commit rewrites each manifest (listing all its shards) and the root (listing every
+    # row-table part, one a commit): committed at every shard, the documents written grew with
+    # the square of the shards, far past the rows captured
+    import activationscope.store.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "DOCUMENT_ALLOWANCE_BYTES", 4096)
+    monkeypatch.setattr(writer_mod, "DOCUMENT_MAX_WAIT_S", float("inf"))
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=0)
+    a = w.open_array("x", (16,), torch.float32, "sample")
+    w.add_batch(0)
+    w.maybe_commit()
+    sizes = _count_document_writes(monkeypatch)
+    n_shards, commits, last = 200, 0, 0
+    for i in range(n_shards):
+        a.append(torch.full((4, 16), float(i)))  # one whole 4-row shard per batch
+        w.add_batch(4)
+        w._core.drain()
+        before = sum(sizes)
+        if w.maybe_commit():
+            commits, last = commits + 1, sum(sizes) - before
+    appended = n_shards * 4 * 16 * 4
+    assert 0 < commits < n_shards // 4
+    # (each commit is let through while the documents are within the budget: the last may pass it)
+    assert sum(sizes) - last <= 4096 + writer_mod.DOCUMENT_SHARE * appended
+    w.close()
+    st = open_store(path)
+    assert st.status == "complete" and st.n_samples == 4 * n_shards
+    assert torch.equal(st["x"][:, 0], torch.arange(n_shards).repeat_interleave(4).float())
+
+
+def test_a_commit_held_back_for_its_documents_comes_after_the_longest_wait(tmp_path, monkeypatch):
+    import activationscope.store.writer as writer_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(writer_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(writer_mod, "DOCUMENT_ALLOWANCE_BYTES", 0)
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=1)
+    a = w.open_array("x", (4,), torch.float32, "sample")
+    w.add_batch(0)
+    w.maybe_commit()  # lists the new array: its documents are far more than its rows' share
+    _durable_shards(w, a, 1)
+    now[0] += writer_mod.DOCUMENT_MAX_WAIT_S - 1
+    assert not w.maybe_commit() and open_store(path).n_samples == 0
+    now[0] += 1
+    assert w.maybe_commit() and open_store(path).n_samples == 4
+    w.close()
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "1", None])
 def test_bad_commit_interval_is_refused_before_anything_is_written(tmp_path, bad):
     path = tmp_path / "s.zarr"

@@ -555,3 +555,25 @@ def test_a_batch_read_while_another_thread_refreshes_a_store_being_overwritten_s
             ds.get_batch([5, 1, 700])
     finally:
         w.close()
+
+
+def test_a_hint_over_small_shards_advises_a_bounded_number_of_them(tmp_path, monkeypatch):
+    # an array read per shard is advised one shard at a time: a window of READ_AHEAD_BYTES of
+    # 4 KiB shards walked every shard of the array at each hinted read (milliseconds per row of
+    # a dataset read in random order)
+    monkeypatch.setattr(reader, "_MAP_BUDGET", 64)  # (the store's 200 shards do not fit: read per shard)
+    t = torch.randn(3200, 64)
+    path = tmp_path / "s.zarr"
+    _write(path, t, shard_rows=16, chunk_rows=16)  # 200 shards of 4 KiB
+    advised: list[int] = []
+    monkeypatch.setattr(reader, "_will_need", lambda addr, nbytes: advised.append(nbytes) or False)
+    store = open_store(path)
+    calls, lo, hi = [], 1, 0
+    for s in range(0, 3200, 16):  # a sequential reader, hinting as ActivationDataset does
+        if not (lo <= s and s + 16 <= hi):
+            n = len(advised)
+            lo, hi = store.will_read("x", s, s + 16)
+            calls.append(len(advised) - n)
+    assert max(calls) <= reader.READ_AHEAD_SHARDS + 1
+    assert sum(advised) >= 3200 * 256  # every row advised once it is read
+    assert torch.equal(store["x", 0:3200], t)
