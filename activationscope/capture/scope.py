@@ -125,11 +125,15 @@ class StoragePolicy(enum.Enum):
 
 
 class ReductionPolicy(enum.Enum):
-    """What is kept in memory next to the reductions (a store holds every captured row).
+    """What is kept next to the reductions.
 
-    STORE_ALL : every captured activation, plus the reductions.
+    STORE_ALL : every captured activation, plus the reductions (in memory, or every row in a
+        store with ``store=``).
     STREAMING : reductions only; activations are reduced and dropped (memory stays flat).
-    FINAL_ONLY : only the most recent activation per hook point, plus the reductions.
+        With ``store=``, a store that keeps the reductions, the sample row table and the rows
+        reduced per hook point, and no activation row (``store/FORMAT.md`` section 11).
+    FINAL_ONLY : only the most recent activation per hook point, plus the reductions (in
+        memory only).
     """
 
     STORE_ALL = "store_all"
@@ -288,9 +292,17 @@ class ActivationScope:
         Where activations go; DISK (the default when ``store=`` is given) streams them into
         the store.
     reduction_policy : ReductionPolicy, default STORE_ALL
-        Whether activations are kept in memory next to the reductions. A store holds every
-        captured row whatever it says: with ``storage=StoragePolicy.DISK`` (the default with
-        ``store=``) another policy than STORE_ALL is refused.
+        Whether activations are kept next to the reductions. With ``store=`` (and
+        ``storage=StoragePolicy.DISK``, its default): STORE_ALL stores every captured row;
+        STREAMING (``reductions=`` required) makes a store that keeps
+        reductions only (its reductions, exactly as a STORE_ALL store holds them, the sample
+        row table and the rows reduced per hook point; no activation row, no token row table:
+        reading rows from it raises :class:`~activationscope.errors.StoreError`). Such a
+        capture cannot be resumed (``resume=True`` raises StoreError, the store left as it
+        is: capture again with ``overwrite``), nor run on several ranks (refused when the
+        tracker attaches). FINAL_ONLY is refused there. With ``store=`` and
+        ``storage=StoragePolicy.CPU`` (or GPU) the store holds every captured row and the
+        policy decides what is kept in memory.
     reductions : list or dict, optional
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
@@ -384,8 +396,10 @@ class ActivationScope:
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
-        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
-        ``reduction_policy`` other than STORE_ALL with ``storage=StoragePolicy.DISK``; ``sample_every``
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``;
+        ``reduction_policy=ReductionPolicy.FINAL_ONLY`` with ``storage=StoragePolicy.DISK`` (the
+        default with ``store=``); STREAMING without ``reductions=`` (but for a store capture
+        that also keeps records in memory); ``sample_every``
         (other than 1) or ``max_k`` without the policy that uses it, or that policy without it; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
         ``shard_rows``, ...: checked here, before a model runs).
@@ -485,19 +499,24 @@ class ActivationScope:
             raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
-        if self.storage is StoragePolicy.DISK and self.reduction_policy is not ReductionPolicy.STORE_ALL:
+        if self.storage is StoragePolicy.DISK and self.reduction_policy is ReductionPolicy.FINAL_ONLY:
             # (it decides which records stay in memory; a store holds every captured row whatever it says)
             raise ArgumentValueError(
                 f"reduction_policy=ReductionPolicy.{self.reduction_policy.name} decides which activations are kept in "
                 "memory next to the reductions, and a store capture (storage=StoragePolicy.DISK) keeps none there: "
-                "the store would hold every captured row, not only the reductions. To keep only the reductions, "
-                "capture without store= (read tracker.reductions); to store every row with its reductions, leave "
-                "reduction_policy out; to also keep records in memory, pass storage=StoragePolicy.CPU"
+                "the store would hold every captured row, not only the reductions. To keep only the reductions in "
+                "the store, pass reduction_policy=ReductionPolicy.STREAMING with reductions=; to store every row with "
+                "its reductions, leave reduction_policy out; to also keep records in memory, pass "
+                "storage=StoragePolicy.CPU"
             )
-        if self.reduction_policy is ReductionPolicy.STREAMING and store is None and not reductions:
+        if self.reduction_policy is ReductionPolicy.STREAMING and not reductions and (
+                store is None or self.storage is StoragePolicy.DISK):
             raise ArgumentValueError(
                 "reduction_policy=ReductionPolicy.STREAMING keeps only reductions, and none were given, so the "
-                "capture would keep nothing; pass reductions=[...] (e.g. ['mean', 'var']) or store= a path"
+                "capture would keep nothing" + (
+                    f" (a store {str(store)!r} that keeps reductions only would hold no value); pass reductions=[...] "
+                    "(e.g. ['mean', 'var']), or leave reduction_policy out to store every row"
+                    if store is not None else "; pass reductions=[...] (e.g. ['mean', 'var']) or store= a path")
             )
         self.sample_every = sample_every
         self.max_k = max_k
@@ -917,7 +936,12 @@ class Tracker:
         self._dropouts_probed = False
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
-        self._alias_candidates = scope.storage is StoragePolicy.DISK or (
+        # A store that keeps reductions only (store= with ReductionPolicy.STREAMING, FORMAT.md
+        # section 11): each hook point's rows are reduced and dropped, never stored; the store
+        # holds the reductions, the sample row table and the rows reduced per hook point
+        self._reductions_only = scope.storage is StoragePolicy.DISK and scope.reduction_policy is ReductionPolicy.STREAMING
+        self._reduced_rows: dict[str, int] = {}  # its hook points declared to the writer -> rows of recorded forwards
+        self._alias_candidates = (scope.storage is StoragePolicy.DISK and not self._reductions_only) or (
             scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
         )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
@@ -1182,6 +1206,14 @@ class Tracker:
 
     def _attach(self) -> "Tracker":
         if self.scope.store is not None and self.writer is None:
+            if self._reductions_only and merges_reductions(self.scope.store, self.scope.store_options):
+                raise CaptureError(
+                    "a multi-rank capture (torch.distributed with several ranks, or a RankStore) cannot keep reductions "
+                    "only (store= with reduction_policy=ReductionPolicy.STREAMING): its rank stores are merged from "
+                    "their rows, and such a store keeps none. Capture a store per rank with "
+                    "store_options={'process_group': False} (each rank its own path), or store the rows (leave "
+                    "reduction_policy out); nothing was written"
+                )
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
                 bad = self._red_factories.unmergeable_reductions(self.scope.reductions)
@@ -1199,6 +1231,7 @@ class Tracker:
                     capture_config=self._capture_config(),
                     model=self.model,
                     storage_dtype=self.scope.storage_dtype,
+                    **({"reductions_only": True} if self._reductions_only else {}),
                     **self.scope.store_options,
                 )
             except StoreLockedError as e:  # (held by a tracker of this process that was never closed?)
@@ -2221,6 +2254,12 @@ class Tracker:
             self._watch_targets.add(target)
             if self.writer is not None:
                 self.writer.add_alias(name, target)
+        elif self.writer is not None and self._reductions_only:
+            if self._reduction_names.get(name):  # (a hook point no reduction applies to is not kept)
+                feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
+                self.writer.open_reduced(name, feature_shape, self._cast_dtype(name, tensor) or tensor.dtype,
+                                         "token" if token else "sample")
+                self._reduced_rows[name] = 0
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
@@ -2239,7 +2278,7 @@ class Tracker:
                     f"token_rows={{{name!r}: True}} to continue it as before, or capture into a new store (or "
                     "overwrite=True) to store it one row per query; the store is left as it was"
                 ) from None
-        if self.writer is not None and self._reduction_names.get(name):
+        if self.writer is not None and self._reduction_names.get(name) and not self._reductions_only:
             self._resume_reductions(name, sink)
         if self._alias_candidates and target is None and not self._core.in_graph:
             # (not inside a compiled graph: it reuses buffers, so identity means nothing there)
@@ -2992,6 +3031,9 @@ class Tracker:
                 extra["next_id"] = self._next_counted_id() + (0 if batch.get("same_samples") else n)
             if extra:  # (optional keywords: a registered writer of an older protocol takes neither)
                 extra = {k: v for k, v in extra.items() if _takes_keyword(self.writer.add_batch, k)}
+            if self._reductions_only:  # the rows each hook point reduced, from the start of the capture
+                self._reduced_rows = {hp: int(self._sinks[hp].n_rows) for hp in self._reduced_rows}
+                extra["reduced_rows"] = dict(self._reduced_rows)
             lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
             )
@@ -3736,6 +3778,9 @@ class Tracker:
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
+        if self._reductions_only:  # (no array: the rows its hook points reduced since the last recorded forward)
+            partial = {hp: n for hp, last in self._reduced_rows.items()
+                       if hp in self._sinks and (n := int(self._sinks[hp].n_rows) - last)}
         if not at_exit:  # the warning below says they leave the row table: not warned again
             self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
@@ -3761,6 +3806,9 @@ class Tracker:
                     CaptureWarning,
                 )
             return
+        elif self._reductions_only:
+            effect = ("Their reductions include that partial forward, and so do the rows the store counts for "
+                      "them (it keeps reductions only).")
         else:
             effect = ("Their records (and streaming reductions) include that partial forward, and in a "
                       "store their rows no longer line up with the sample row table (follows_row_table "

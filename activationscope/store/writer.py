@@ -342,6 +342,8 @@ class _Batch:
     token: dict[str, Any] | None
     first_id: int = 0  # the running counter's value before this batch
     next_id: int = 0  # the running counter's value after it (the next counted sample's id)
+    # a store that keeps reductions only: {hook point: rows reduced} after this batch
+    reduced: dict = field(default_factory=dict)
 
 
 def _row_pieces(batches: list[_Batch], kind: str, keep_empty: bool = False) -> list[dict[str, Any]]:
@@ -980,6 +982,15 @@ class StoreWriter:
         (the history of the runs that wrote the store), see :func:`resumed_provenance`.
     storage_options : dict, optional
         fsspec options of a URL target (credentials, ``client_kwargs``).
+    reductions_only : bool, default False
+        A store that keeps reductions only (``store/FORMAT.md`` section 11, format version 3):
+        no activation array, no token row table. Hook points are declared with
+        :meth:`open_reduced` instead of :meth:`open_array`, each recorded forward gives its
+        rows reduced per hook point (``add_batch(reduced_rows=...)``), and
+        :meth:`add_reductions` stores the reductions. Made by ``ActivationScope(store=...,
+        reduction_policy=ReductionPolicy.STREAMING)``. Such a store cannot be resumed (yet):
+        ``resume=True`` of it, or with this option, raises :class:`StoreError` before anything
+        is changed.
 
     Notes
     -----
@@ -1075,8 +1086,12 @@ class StoreWriter:
         max_pending_bytes: int = 256 << 20,
         provenance: Mapping[str, Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        reductions_only: bool = False,
     ) -> None:
         _native.load()  # writing needs the native extension (reading does not): say so first
+        self.reductions_only = F.parse_flag(reductions_only, "reductions_only")
+        if self.reductions_only:
+            self.supports_aliases = False  # (no array for an alias to share)
         # ---- validate everything before the first byte is written
         opts = StoreWriter.check_options(
             overwrite=overwrite, resume=resume, compression=compression, chunk_rows=chunk_rows,
@@ -1246,6 +1261,7 @@ class StoreWriter:
                         f"{self._backend!r} is a Zarr node but not an activationscope store; it cannot be resumed "
                         "(pass overwrite=True to replace it)"
                     )
+                self._refuse_reductions_only_resume(ours)
                 refused = V.builtin_reduction_problems(ours)
                 for hp, problems in refused.items():  # (its readers refuse it: never carried on, never continued)
                     name, problem = next(iter(problems.items()))
@@ -1271,6 +1287,22 @@ class StoreWriter:
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
             )
+
+    def _refuse_reductions_only_resume(self, ours: Mapping[str, Any]) -> None:
+        """Resume: refuse, before anything is changed, a store that keeps reductions only, or a
+        capture that keeps reductions only into a store of rows (FORMAT.md section 11)."""
+        stored_only = ours.get("rows_stored") is False
+        if not stored_only and not self.reductions_only:
+            return
+        if stored_only:
+            why = ("it keeps reductions only (captured with ReductionPolicy.STREAMING), and a capture that keeps "
+                   "reductions only cannot be resumed: the reductions are stored when the capture closes, and no "
+                   "activation row is stored to compute them again from")
+        else:
+            why = ("it stores activation rows, and this capture keeps reductions only (ReductionPolicy.STREAMING): "
+                   "one store cannot hold both")
+        raise StoreError(f"cannot resume {str(self._backend)!r}: {why}; nothing was changed. Capture again with "
+                         "store_options={'overwrite': True} (CLI: --overwrite), or into another path")
 
     def _refuse_unwritable_folder(self) -> None:
         """Resume of a local store: refuse, before anything is deleted or written, a store with
@@ -1377,9 +1409,12 @@ class StoreWriter:
         # so that discard() puts the store back as found (see _put_back_found_files)
         self._found_files: dict[str, bytes | None] | None = {} if self._found_root is not None else None
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
-            "sample": {"parts": [], "n_rows": 0, "columns": []},
-            "token": {"parts": [], "n_rows": 0, "columns": []},
-        }))
+            kind: {"parts": [], "n_rows": 0, "columns": []} for kind in self._row_kinds}))
+        # a store that keeps reductions only: {hook point: {"row_kind", "feature_shape", "dtype",
+        # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
+        # listed from the batch that records the forward each was first seen in
+        self._reduced: dict[str, dict] = {}
+        self._unrecorded_reduced: list[str] = []
         # (row kind, column) -> Arrow type of a user column: one type per column of a store
         self._column_types: dict[tuple[str, str], Any] = {}
         if self._state is not None:
@@ -1407,7 +1442,14 @@ class StoreWriter:
         # replaced before any of its objects goes or one of this run's is written (FORMAT.md section 7),
         # and one killed in between leaves a new store with no rows (a resume removes the old arrays)
         write_root_first(self._backend, self._root_attrs("incomplete"), replacing=self._replacing)
-        self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+        if not self.reductions_only:  # (no array: no acts/ group)
+            self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+
+    @property
+    def _row_kinds(self) -> tuple[str, ...]:
+        """The row tables this store holds: a store that keeps reductions only has no token
+        table (one row per token of a large capture would be most of its bytes)."""
+        return ("sample",) if self.reductions_only else ROW_KINDS
 
     def _load_column_types(self) -> None:
         """Types of the user columns already stored (resume): from each kind's first part."""
@@ -1591,8 +1633,11 @@ class StoreWriter:
             names = {e.get("reduction") for e in entries.values()}
             kept = {k: e for k, e in reductions.get(hp, {}).items() if e.get("reduction") not in names}
             reductions[hp] = {**kept, **entries}  # a rewritten reduction keeps none of its old keys
+        # a store that keeps reductions only: version 3, rows_stored and reduced in place of arrays and
+        # aliases (FORMAT.md section 11: a version 2 reader refuses it, never reads it as a store of no rows)
+        only = self.reductions_only
         return {
-            "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
+            "format": {"name": F.FORMAT_NAME, "version": F.REDUCTIONS_ONLY_VERSION if only else F.FORMAT_VERSION},
             "status": status,
             "created": self._created,
             "run_id": self._run_id,
@@ -1605,10 +1650,12 @@ class StoreWriter:
             "n_samples": self.n_samples_committed,
             "n_batches": self._n_batches,
             "next_sample_id": self._committed_next_id,
-            "arrays": arrays,
+            **({"rows_stored": False} if only else {"arrays": arrays}),
             "row_tables": self._row_tables,
             "reductions": reductions,
-            "aliases": {hp: t for hp, t in self.aliases.items() if hp not in self._unrecorded_aliases},
+            **({"reduced": {hp: dict(e) for hp, e in self._reduced.items() if hp not in self._unrecorded_reduced}}
+               if only else
+               {"aliases": {hp: t for hp, t in self.aliases.items() if hp not in self._unrecorded_aliases}}),
             **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
 
@@ -2039,6 +2086,9 @@ class StoreWriter:
         """
         self._refuse_other_process("a hook point opened")
         self._refuse_if_lost()
+        if self.reductions_only:
+            raise StoreError(f"hook point {hook_point!r}: the store writer of {str(self._backend)!r} keeps reductions "
+                             "only (reductions_only=True) and opens no array; declare the hook point with open_reduced")
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -2137,6 +2187,53 @@ class StoreWriter:
                 self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def open_reduced(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> None:
+        """Declare a hook point whose rows are reduced, not stored (a writer made with
+        ``reductions_only=True``): listed under ``reduced`` of the root (FORMAT.md section 11) from
+        the :meth:`add_batch` that records the forward it was first seen in, with the rows
+        reduced that ``add_batch(reduced_rows=...)`` gives; one whose forward is never recorded
+        is never listed (:attr:`unrecorded_hook_points`).
+
+        Parameters
+        ----------
+        hook_point : str
+        feature_shape : tuple of int
+            Shape of one row.
+        dtype : torch.dtype
+            Dtype of the rows reduced (after ``storage_dtype``).
+        row_kind : {"sample", "token"}
+
+        Raises
+        ------
+        StoreError
+            The writer is closed, it stores rows (``reductions_only`` False), or the hook point
+            was declared before.
+        ValueError
+            Unsupported dtype, invalid feature shape or row kind.
+        """
+        self._refuse_other_process("a hook point opened")
+        self._refuse_if_lost()
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
+            if not self.reductions_only:
+                raise StoreError(f"hook point {hook_point!r}: the store writer of {str(self._backend)!r} stores rows; "
+                                 "open_reduced is for a writer made with reductions_only=True (use open_array)")
+            if hook_point in self._reduced:
+                raise StoreError(f"hook point {hook_point!r} was already declared in this store writer")
+            name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
+            if row_kind not in ROW_KINDS:
+                raise ArgumentValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
+            feature_shape = tuple(int(d) for d in feature_shape)
+            if any(d < 0 for d in feature_shape):
+                raise ArgumentValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
+            if math.prod(feature_shape) * F.itemsize(name) > V.MAX_ROW_BYTES:
+                raise ArgumentValueError(f"hook point {hook_point!r}: rows of feature shape {feature_shape} ({name}) hold "
+                                         f"more than {V.MAX_ROW_BYTES} bytes, which a store cannot describe")
+            self._reduced[hook_point] = {"row_kind": row_kind, "feature_shape": list(feature_shape), "dtype": name,
+                                         "n_rows": 0}
+            self._unrecorded_reduced.append(hook_point)
 
     def _refuse_folded_node(self, hook_point: str, node: str) -> None:
         """A new hook point whose node name equals another array's of this store but for case
@@ -2473,7 +2570,8 @@ class StoreWriter:
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
                   columns: Mapping[str, Any] | None = None, described_again: bool = False,
-                  next_id: int | None = None) -> dict[str, tuple[int, int]]:
+                  next_id: int | None = None, reduced_rows: Mapping[str, int] | None = None
+                  ) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
 
         Parameters
@@ -2498,6 +2596,12 @@ class StoreWriter:
             before (a generation step) leaves it where it was; one after samples a capture
             policy skipped counts those too. The store records it at each commit, and a resume
             continues from it.
+        reduced_rows : dict of str to int, optional
+            A writer that keeps reductions only (``reductions_only=True``; required there,
+            refused elsewhere): ``{hook point: rows}``, the rows reduced of each hook point
+            declared with :meth:`open_reduced` after this batch, counted from the start of the
+            capture (never going back). The token mask then only counts; no token row table is
+            kept, nor per-token columns.
 
         Returns
         -------
@@ -2529,8 +2633,11 @@ class StoreWriter:
                     f"next_id must be at least next_sample_id {self.next_sample_id} (the running counter never goes "
                     f"back: the default ids below it are taken), got {next_id!r}; pass next_sample_id for a batch of "
                     "samples counted before")
+            reduced = self._check_reduced_rows(reduced_rows)
+            if self.reductions_only:
+                token_mask = None if not columns else token_mask  # (it only tells per-token columns, not kept)
             if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
-                return self._add_plain_batch(n, next_id)
+                return self._add_plain_batch(n, next_id, reduced)
             if sample_ids is None:
                 start = self.next_sample_id
                 ids: Any = np.arange(start, start + n, dtype=np.int64)
@@ -2547,12 +2654,15 @@ class StoreWriter:
                 mask = token_mask.detach().to("cpu").to(torch.bool)
                 if mask.dim() != 2 or mask.shape[0] != n:
                     raise ArgumentValueError(f"token_mask must be (batch={n}, pos), got {tuple(mask.shape)}")
+            if mask is not None and not self.reductions_only:
                 idx = mask.nonzero()
                 si, pos = idx[:, 0].numpy(), idx[:, 1].numpy()
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
             # checked (names, lengths, one type per column) before anything is recorded
             for kind, key, values, typ in self._user_columns(columns, mask, n):
+                if kind == "token" and self.reductions_only:
+                    continue  # (no token row table)
                 (token if kind == "token" else sample)[key] = values
                 if typ is not None:  # a column of Nones so far: its type comes with its first values
                     self._column_types[(kind, key)] = typ
@@ -2562,7 +2672,33 @@ class StoreWriter:
                 self._default_ids(int(ids[0]) if n else 0, n)
             elif not described_again:
                 self._check_ids(ids)
-            return self._record(n, sample, token, next_id)
+            return self._record(n, sample, token, next_id, reduced)
+
+    def _check_reduced_rows(self, reduced_rows: Any) -> dict[str, int] | None:
+        """:meth:`add_batch`'s ``reduced_rows``, checked: given exactly to a writer that keeps
+        reductions only, of hook points :meth:`open_reduced` declared, counts that never go back."""
+        if not self.reductions_only:
+            if reduced_rows is not None:
+                raise ArgumentValueError("reduced_rows is for a store writer that keeps reductions only "
+                                         "(reductions_only=True); this one stores rows")
+            return None
+        if not isinstance(reduced_rows, Mapping):
+            raise ArgumentTypeError("reduced_rows must be a dict {hook point: rows reduced} in a store writer that "
+                                    f"keeps reductions only, got {type(reduced_rows).__name__}")
+        out: dict[str, int] = {}
+        for hp, rows in reduced_rows.items():
+            if hp not in self._reduced:
+                raise ArgumentValueError(f"reduced_rows names hook point {hp!r}, which open_reduced did not declare")
+            if not (isinstance(rows, (int, np.integer)) and not isinstance(rows, bool) and 0 <= rows <= V.MAX_ROWS):
+                raise ArgumentValueError(f"reduced_rows[{hp!r}] must be an int in 0..{V.MAX_ROWS}, got {rows!r}")
+            last = self._pending[-1].reduced.get(hp, 0) if self._pending else self._reduced[hp]["n_rows"]
+            if rows < last:
+                raise ArgumentValueError(f"reduced_rows[{hp!r}] counts rows from the start of the capture and never "
+                                         f"goes back: {last} before, got {rows}")
+            out[hp] = int(rows)
+        if self._pending:  # (a hook point this forward did not reach keeps its count)
+            out = {**self._pending[-1].reduced, **out}
+        return out
 
     def _default_ids(self, start: int, n: int) -> None:
         """Default ids ``start .. start + n - 1`` recorded: noted while ids are checked (once
@@ -2620,7 +2756,8 @@ class StoreWriter:
             "store picks the rows of every sample with that id. Warned once per capture",
             CaptureWarning)
 
-    def _add_plain_batch(self, n: int, next_id: int | None = None) -> dict[str, tuple[int, int]]:
+    def _add_plain_batch(self, n: int, next_id: int | None = None, reduced: dict[str, int] | None = None
+                         ) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
         columns (the common one, after every forward: kept short). Its row-table rows are made
         at the commit (:func:`_row_pieces`)."""
@@ -2630,10 +2767,10 @@ class StoreWriter:
         if self._column_types.get(key) is not _int64_ids_type():
             # default ids are int64: refused after ids of another type, as add_batch does
             self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
-        return self._record(n, None, None, next_id)
+        return self._record(n, None, None, next_id, reduced)
 
     def _record(self, n: int, sample: dict[str, Any] | None, token: dict[str, Any] | None,
-                next_id: int | None = None) -> dict[str, tuple[int, int]]:
+                next_id: int | None = None, reduced: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
         """Record a checked batch of ``n`` samples (``sample`` None: default ids, made at the
         commit; ``next_id``: the running counter after it, default its samples counted);
         returns :meth:`add_batch`'s arrays that stopped following the row table."""
@@ -2654,9 +2791,12 @@ class StoreWriter:
             self._unrecorded = []
             self._unrecorded_aliases = set()
             self._unpublished = True
+        if self._unrecorded_reduced and reduced is not None:
+            self._unrecorded_reduced = [hp for hp in self._unrecorded_reduced if hp not in reduced]
+            self._unpublished = True
         first_id = self.next_sample_id
         self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id,
-                                    first_id + n if next_id is None else int(next_id)))
+                                    first_id + n if next_id is None else int(next_id), reduced or {}))
         self._pending_samples += n
         return lost
 
@@ -2757,8 +2897,8 @@ class StoreWriter:
         self._refuse_other_process("a commit")
         self._raise_if_failed()
         version = self._core.durable_version
-        if version == self._seen_version and not self._unpublished:
-            return False
+        if version == self._seen_version and not self._unpublished and not (self.reductions_only and self._pending):
+            return False  # (a store of reductions only has no shard to wait for: every recorded forward is due)
         if not self._unpublished and time.monotonic() - self._last_commit < self._commit_interval:
             return False
         return self.commit()
@@ -2847,7 +2987,7 @@ class StoreWriter:
         before = {kind: (len(t.get("parts", [])), t.get("n_rows", 0), len(t.get("columns", [])))
                   for kind, t in self._row_tables.items()}
         try:
-            for kind in ROW_KINDS:
+            for kind in self._row_kinds:
                 pieces = _row_pieces(batches, kind)
                 table = self._row_tables.get(kind) or {}
                 if not pieces and not table.get("parts"):
@@ -2874,6 +3014,8 @@ class StoreWriter:
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
             self._committed_next_id = x.next_id
+            for hp, rows in x.reduced.items():
+                self._reduced[hp]["n_rows"] = rows
         # 3. manifests and array documents (independent objects: written concurrently)
         writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
@@ -2984,7 +3126,8 @@ class StoreWriter:
         forward refused or raised partway. No root lists them; once the writer is closed,
         none ever will (their files are removed by the close)."""
         with self._lock:
-            return [a.hook_point for a in self._unrecorded] + sorted(self._unrecorded_aliases)
+            return ([a.hook_point for a in self._unrecorded] + sorted(self._unrecorded_aliases)
+                    + list(self._unrecorded_reduced))
 
     def _listed_shards(self, a: _Array) -> int:
         """Shards of ``a`` that the store as found lists (those holding its committed rows)."""
@@ -3273,9 +3416,10 @@ class StoreWriter:
                 # an alias has no array: its reductions line up with its target's, which readers read for it
                 rows_of = self.aliases.get(hook_point, hook_point)
                 arr = self._arrays.get(rows_of)
+                features = arr.feature_shape if arr is not None else (
+                    tuple(self._reduced[hook_point]["feature_shape"]) if hook_point in self._reduced else None)
                 dims = F.reduction_dimension_names(hook_point, full, key, kind, getattr(reduction, "options", None),
-                                                   tuple(t.shape), None if arr is None else arr.feature_shape,
-                                                   features_of=rows_of)
+                                                   tuple(t.shape), features, features_of=rows_of)
                 crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname},
                                                dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),
