@@ -273,3 +273,30 @@ def test_a_reduction_whose_shape_is_not_its_reduced_rows_is_refused(tmp_path):
     with pytest.warns(UserWarning, match="mean"):
         store.reductions["pool.output"]
 
+
+def test_cli_capture_info_and_verify(tmp_path, capsys):
+    from activationscope.cli import main
+
+    out = tmp_path / "r.zarr"
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean,var",
+                 "--reductions-only", "--max-samples", "8", "--no-progress"]) == 0
+    assert "(reductions only: ['mean', 'var'])" in capsys.readouterr().out
+    store = open_store(out)
+    assert not store.rows_stored and store.n_samples == 8 and store.hook_points
+    assert all(sorted(store.reductions[hp]) == ["mean", "mean.count", "var", "var.count", "var.mean"]
+               for hp in store.hook_points)
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "stores:   reductions only" in text and "reduced, reductions only (no activation row)" in text
+    assert main(["verify", str(out)]) == 0
+    assert "ok (reductions only:" in capsys.readouterr().out
+    # --reductions-only needs --reduce; with --resume it is refused; nothing is written
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(tmp_path / "n.zarr"),
+                 "--reductions-only", "--no-progress"]) != 0
+    assert "--reductions-only keeps the reductions only, and no --reduce was given" in capsys.readouterr().err
+    assert not (tmp_path / "n.zarr").exists()
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean",
+                 "--resume", "--max-samples", "16", "--no-progress"]) != 0
+    assert "keeps reductions only" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

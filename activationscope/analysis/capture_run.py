@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import (ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError,
-                      StoreLockedError, warn_at_caller)
+                      StoreError, StoreLockedError, warn_at_caller)
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -78,6 +78,7 @@ def run_capture(
     rows: str = "auto",
     exclude_hook_points: list[str] | None = None,
     data: str | None = None,
+    reductions_only: bool = False,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -104,6 +105,9 @@ def run_capture(
     rows : {"auto", "token"}, default "auto"
         ``ActivationScope(rows=...)``: ``"token"`` stores one row per token of tensor data
         without a mask (``(batch, pos)`` of the model's first input).
+    reductions_only : bool, default False
+        A store that keeps reductions only
+        (``ActivationScope(reduction_policy=ReductionPolicy.STREAMING)``).
 
     Raises
     ------
@@ -117,12 +121,13 @@ def run_capture(
     from tqdm.auto import tqdm
 
     from .. import store as _store  # noqa: F401 - registers the store writer with capture
-    from ..capture.scope import ActivationScope
+    from ..capture.scope import ActivationScope, ReductionPolicy
 
     scope = ActivationScope(
         store=out,
         store_options=store_options or {},
         reductions=reductions or None,
+        **({"reduction_policy": ReductionPolicy.STREAMING} if reductions_only else {}),
         storage_dtype=storage_dtype,
         capture=capture,
         stop_after_last=stop_after_last,
@@ -388,6 +393,7 @@ def capture_dataset(
     labels: str | None = None,
     text_column: str | None = None,
     label_column: str | None = None,
+    reductions_only: bool = False,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -464,6 +470,11 @@ def capture_dataset(
         ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``); each
         pattern must select a hook point of the first forward (of the store, for a resume
         with nothing left to capture), else HookPointNotFoundError names the flag.
+    reductions_only : bool, default False
+        ``--reductions-only``: a store that keeps the reductions only (and the sample row
+        table), no activation row (``ActivationScope(reduction_policy=ReductionPolicy.STREAMING)``,
+        ``store/FORMAT.md`` section 11). Needs ``reductions``; refused with ``resume``, and
+        a ``resume`` of such a store is refused (StoreError), nothing changed.
     on_start : callable, optional
         Called once with :attr:`CaptureSummary.include_note` (the modules tracked without
         ``include``, in a few words) before the first forward, when there is one: what a long
@@ -528,8 +539,17 @@ def capture_dataset(
 
     # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
     resume, overwrite = parse_flag(resume, "resume"), parse_flag(overwrite, "overwrite")
+    reductions_only = parse_flag(reductions_only, "reductions_only")
     if resume and overwrite:
         raise ArgumentValueError("--resume and --overwrite exclude each other: pass one of them")
+    if reductions_only and not reductions:
+        raise ArgumentValueError("--reductions-only keeps the reductions only, and no --reduce was given, so the store "
+                                 "would hold nothing; pass --reduce (e.g. --reduce mean,var), or drop --reductions-only "
+                                 "to store every row")
+    if reductions_only and resume:
+        raise ArgumentValueError("--reductions-only cannot be combined with --resume: a capture that keeps reductions "
+                                 "only stores them when it ends, and no row to compute them again from, so it cannot "
+                                 "be continued; capture again with --overwrite")
     if batch_size < 1:
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
@@ -643,7 +663,7 @@ def capture_dataset(
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
         exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
-        data=data if dataset.tensor is not None else None,
+        data=data if dataset.tensor is not None else None, reductions_only=reductions_only,
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
@@ -1188,7 +1208,12 @@ def _open_resumed(out: str) -> Any:
     local = local_path(out)
     if local is not None and not os.path.exists(local):
         raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
-    return open_store(out)
+    store = open_store(out)
+    if not store.rows_stored:
+        store.close()
+        raise StoreError(f"--resume: store {out!r} keeps reductions only (captured with --reductions-only), and such "
+                         "a capture cannot be continued; nothing was changed. Capture again with --overwrite")
+    return store
 
 
 def check_reductions(names: Sequence[str] | None) -> list[Any] | None:
