@@ -176,17 +176,16 @@ def test_a_raised_forward_leaves_its_rows_out_of_the_committed_count(tmp_path):
     assert store.partial_reductions == {} and int(store.reductions["1.output"]["mean.count"]) == 7
 
 
-def test_resume_is_refused_and_the_store_left_as_it_is(tmp_path):
+def test_a_store_of_rows_and_one_of_reductions_only_never_resume_each_other(tmp_path):
     path = tmp_path / "r.zarr"
     model = _Tokens().eval()
     _capture(model, str(path), _batches(2), reduction_policy=STREAMING, reductions=["mean"])
     before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
-    for kw in ({"reduction_policy": STREAMING, "reductions": ["mean"]}, {"reductions": ["mean"]}):
-        scope = acs.ActivationScope(store=str(path), store_options={"resume": True}, **kw)
-        with pytest.raises(StoreError, match=r"cannot resume .*it keeps reductions only.*nothing was changed.*"
-                                             r"'overwrite': True"):
-            scope.track(model).attach()
-        assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    scope = acs.ActivationScope(store=str(path), store_options={"resume": True}, reductions=["mean"])
+    with pytest.raises(StoreError, match=r"cannot resume .*it keeps reductions only.*this capture stores activation "
+                                         r"rows.*nothing was changed.*'overwrite': True"):
+        scope.track(model).attach()
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
     # a capture that keeps reductions only never continues a store of rows
     rows = tmp_path / "rows.zarr"
     _capture(model, str(rows), _batches(1), reductions=["mean"])
@@ -199,6 +198,32 @@ def test_resume_is_refused_and_the_store_left_as_it_is(tmp_path):
     # overwrite replaces it, either way
     _capture(model, str(path), _batches(1), reductions=["mean"], store_options={"overwrite": True})
     assert open_store(path).rows_stored and open_store(path).n_rows("pool.output") == 3
+
+
+def test_each_commit_stores_the_reductions_of_its_forwards(tmp_path):
+    # a reader sees the reductions of the forwards committed so far; one opened before a later
+    # commit (whose files are new ones) is told to refresh, never shown damage
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"commit_interval": 0})
+    batches = _batches(3)
+    with torch.no_grad():
+        want = model.proj(batches[0][0]).mean(1).double().mean(0)
+    with scope.track(model) as tracker, torch.no_grad():
+        for i, (x, mask) in enumerate(batches):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            if i == 0:
+                early = open_store(path)
+                assert early.status == "incomplete" and early.reduced["pool.output"]["n_rows"] == 3
+                assert torch.allclose(early.reductions["pool.output"]["mean"], want)
+    with pytest.raises(StoreError, match=r"committed again since it was opened.*each commit of a store that keeps "
+                                         r"reductions only writes them anew.*refresh\(\)") as e:
+        early.reductions["pool.output"]
+    assert not isinstance(e.value, StoreCorruptError)
+    early.refresh()
+    assert early.reduced["pool.output"]["n_rows"] == 9 and early.verify() == []
 
 
 def test_multi_rank_capture_is_refused_at_attach(tmp_path):
@@ -219,10 +244,6 @@ def test_a_reader_of_version_2_refuses_it(tmp_path, monkeypatch):
             as e:
         open_store(path)
     assert not isinstance(e.value, StoreCorruptError)
-
-
-def _root(path: Path) -> dict:
-    return json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
 
 
 def _edit(path: Path, fn) -> None:

@@ -297,10 +297,11 @@ class ActivationScope:
         STREAMING (``reductions=`` required) makes a store that keeps
         reductions only (its reductions, exactly as a STORE_ALL store holds them, the sample
         row table and the rows reduced per hook point; no activation row, no token row table:
-        reading rows from it raises :class:`~activationscope.errors.StoreError`). Such a
-        capture cannot be resumed (``resume=True`` raises StoreError, the store left as it
-        is: capture again with ``overwrite``), nor run on several ranks (refused when the
-        tracker attaches). FINAL_ONLY is refused there. With ``store=`` and
+        reading rows from it raises :class:`~activationscope.errors.StoreError`). Each commit
+        stores the reductions of its forwards, so ``resume=True`` with the same reductions
+        continues a killed capture (a resume that cannot continue every stored reduction
+        raises StoreError, the store left as it is); several ranks are refused when the
+        tracker attaches. FINAL_ONLY is refused there. With ``store=`` and
         ``storage=StoragePolicy.CPU`` (or GPU) the store holds every captured row and the
         policy decides what is kept in memory.
     reductions : list or dict, optional
@@ -1234,6 +1235,9 @@ class Tracker:
                     **({"reductions_only": True} if self._reductions_only else {}),
                     **self.scope.store_options,
                 )
+                if self._reductions_only and hasattr(self.writer, "set_reduction_source"):
+                    # every commit stores the states of the forwards it commits: a resume continues them
+                    self.writer.set_reduction_source(self._reduction_states)
             except StoreLockedError as e:  # (held by a tracker of this process that was never closed?)
                 self._note_lock_holder(e)
                 raise
@@ -2118,7 +2122,11 @@ class Tracker:
             return made if made is not None else self._new_sink(renamed, tensor)
 
     def _new_sink(self, name: str, tensor: torch.Tensor) -> Any:
-        if self._stored is not None and name not in self._stored:
+        if self._stored is not None and name not in self._stored and not (
+                # (a store that keeps reductions only lists the hook points it reduces: one no
+                # reduction applies to is captured and kept nowhere)
+                self._reductions_only
+                and not self._red_factories.resolve_reductions(self.scope.reductions, name, self._hook_names)):
             self._refuse([], [name])
         if self.writer is not None and self._n_captured > 0 and name not in self._intermittent:
             warn_at_caller(
@@ -2278,8 +2286,10 @@ class Tracker:
                     f"token_rows={{{name!r}: True}} to continue it as before, or capture into a new store (or "
                     "overwrite=True) to store it one row per query; the store is left as it was"
                 ) from None
-        if self.writer is not None and self._reduction_names.get(name) and not self._reductions_only:
+        if self.writer is not None and self._reduction_names.get(name):
             self._resume_reductions(name, sink)
+            if name in self._reduced_rows:  # (a resume: its rows reduced so far are the stored ones)
+                self._reduced_rows[name] = self._reduction_base.get(name, 0)
         if self._alias_candidates and target is None and not self._core.in_graph:
             # (not inside a compiled graph: it reuses buffers, so identity means nothing there)
             sink.watch_aliases(True)  # until the end of this forward, or for good once a target
@@ -2589,6 +2599,12 @@ class Tracker:
             custom = ({} if kind in self._red_factories.BUILTIN_REDUCTIONS  # the same program, or recomputed
                       else {"script": getattr(red, "script_bytes", None) or getattr(red, "script_path", None)})
             saved = self.writer.stored_reduction_state(name, red_name, kind, dict(options or {}), **custom)
+            if self._reductions_only and (saved is None or saved[1] != committed):
+                self._refuse_reduced_resume(
+                    f"its reduction {red_name!r} of hook point {name!r} "
+                    + ("has no state this capture's reduction can continue (another kind, other options or another "
+                       "program, or files that fail their checks)" if saved is None else
+                       f"covers {saved[1]} of the {committed} rows it reduced"))
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]
@@ -2619,6 +2635,30 @@ class Tracker:
                         first = end
                 cuts = [e for e in cuts if e > stop]
                 row = stop
+
+    def _refuse_reduced_resume(self, why: str) -> None:
+        """Refuse the resume of a store that keeps reductions only (nothing of this run is
+        committed; the store is left as it was found, at the tracker's close)."""
+        self._refused_error = StoreError
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: {why}. A store that keeps reductions only holds no row to compute a "
+            "reduction again from, so a resume continues every stored reduction from its stored state: resume with "
+            "the same model, reductions= and storage_dtype, or capture again with store_options={'overwrite': True} "
+            "(the store is left as it was)")
+        if self._closed:  # (a resume that captured no forward, refused at its close: nothing to undo)
+            _discard(self.writer, StoreError(self._refused))
+        raise StoreError(self._refused)
+
+    def _check_reductions_continued(self) -> None:
+        """The first forward of the resume of a store that keeps reductions only: every stored
+        reduction of every stored hook point is one of this capture's (a reduction left out
+        would stay over fewer rows than the store counts; one of them, never to be computed)."""
+        stored = getattr(self.writer, "stored_reductions", None) or {}
+        for hp, names in sorted(stored.items()):
+            left = [n for n in names if n not in (self._reduction_names.get(hp) or [])]
+            if left:
+                self._refuse_reduced_resume(f"its reductions {left} of hook point {hp!r} are not among this capture's "
+                                            f"reductions ({self._reduction_names.get(hp) or 'none'})")
 
     def _warn_head_first_found(self) -> None:
         if self._head_first_found:
@@ -2964,6 +3004,8 @@ class Tracker:
             missing = sorted(self._stored.difference(self._sinks).difference(self._intermittent))
             if missing:
                 self._refuse(missing, [])
+            if self._reductions_only:
+                self._check_reductions_continued()
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
             if self.writer is not None or self._reduction_names:
@@ -3005,7 +3047,9 @@ class Tracker:
             self._warn_target_token_rows(batch)
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
-        if self.writer is not None:
+        if self.writer is not None and not (self._reductions_only and self._refused is not None):
+            # (a refused resume of a store of reductions only records nothing: its commits would
+            # replace the stored reductions' files, which the store as found lists)
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
                 # the running counter counts the skipped forwards' samples too (SAMPLE_N), and not
@@ -3032,7 +3076,8 @@ class Tracker:
             if extra:  # (optional keywords: a registered writer of an older protocol takes neither)
                 extra = {k: v for k, v in extra.items() if _takes_keyword(self.writer.add_batch, k)}
             if self._reductions_only:  # the rows each hook point reduced, from the start of the capture
-                self._reduced_rows = {hp: int(self._sinks[hp].n_rows) for hp in self._reduced_rows}
+                self._reduced_rows = {hp: self._reduction_base.get(hp, 0) + int(self._sinks[hp].n_rows)
+                                      for hp in self._reduced_rows}
                 extra["reduced_rows"] = dict(self._reduced_rows)
             lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
@@ -3779,8 +3824,8 @@ class Tracker:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
         if self._reductions_only:  # (no array: the rows its hook points reduced since the last recorded forward)
-            partial = {hp: n for hp, last in self._reduced_rows.items()
-                       if hp in self._sinks and (n := int(self._sinks[hp].n_rows) - last)}
+            partial = {hp: n for hp, last in self._reduced_rows.items() if hp in self._sinks and (
+                n := self._reduction_base.get(hp, 0) + int(self._sinks[hp].n_rows) - last)}
         if not at_exit:  # the warning below says they leave the row table: not warned again
             self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
@@ -3941,7 +3986,23 @@ class Tracker:
         """
         return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
+    def _reduction_states(self) -> list[tuple[str, str, Any, int]]:
+        """``[(hook point, name, reduction, rows)]`` of a capture that keeps reductions only (the
+        source of its writer's commits, ``StoreWriter.set_reduction_source``): each reduction
+        and the rows its state covers, those of the store it resumes included."""
+        out = []
+        for name in self._reduced_rows:
+            sink = self._sinks.get(name)
+            if sink is None:
+                continue
+            covered = self._reduction_base.get(name, 0) + int(sink.n_rows)
+            for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
+                out.append((name, red_name, red, covered))
+        return out
+
     def _write_reductions(self) -> None:
+        if self._reductions_only and hasattr(self.writer, "set_reduction_source"):
+            return  # (the close's commit stores them, with the forwards it commits)
         for name in self._reduction_names:
             sink = self._sinks.get(name)
             covered = self._reduction_base.get(name, 0) + (sink.n_rows if sink is not None else 0)

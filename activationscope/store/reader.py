@@ -819,7 +819,8 @@ class Store:
         if shown is not None and self._root_stamp() != shown:
             return StoreError(
                 f"store at {str(self._backend)!r}: {what}: the store was committed again since it was opened (a "
-                "resumed capture rewrites its reductions); call store.refresh() (or open_store again) to read them"
+                "resumed capture rewrites its reductions, and each commit of a store that keeps reductions only "
+                "writes them anew); call store.refresh() (or open_store again) to read them"
             )
         return V.corrupt(self._backend, what)
 
@@ -2743,9 +2744,12 @@ class Store:
             doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
             raw_doc = self._backend.get(doc_key)
             doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
+            if doc is None:  # (a commit of a store that keeps reductions only since: its files are new ones)
+                raise self._reduction_damage(f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
+                                             "is missing")
             if not isinstance(doc, dict):
                 raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
-                                               f"is {'missing' if doc is None else 'not a JSON object'}")
+                                               "is not a JSON object")
             attr = doc.get("attributes")
             attr = attr.get(F.ATTRS_KEY) if isinstance(attr, dict) else None
             said = (doc.get("data_type"), doc.get("shape"),

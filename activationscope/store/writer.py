@@ -17,6 +17,7 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import json
 import math
 import operator
 import os
+import re
 import shutil
 import stat
 import sys
@@ -889,6 +891,28 @@ def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
     return {key: F.crc32c(data)}
 
 
+#: The folder, in a hook point's reduction folder, of the reduction files one commit of a store
+#: that keeps reductions only writes (FORMAT.md section 11): ``__c<batches>-<8 hex digits>``. A
+#: reduction's name never starts with ``__`` (FORMAT.md section 6), so none is ever one.
+_COMMIT_FOLDER = re.compile(r"__c[0-9]+-[0-9a-f]{8}")
+
+
+def _commit_folders(reductions: Mapping[str, Any]) -> set[str]:
+    """``reductions/<node>/__c...`` folders that the entries of ``reductions`` (a root's) list."""
+    out = set()
+    for entries in reductions.values():
+        for e in (entries or {}).values() if isinstance(entries, Mapping) else ():
+            if not isinstance(e, Mapping):
+                continue
+            paths = [e.get("path"), e.get("script")] + [p.get("path") for p in (e.get("state") or {}).values()
+                                                         if isinstance(p, Mapping)]
+            for path in paths:
+                parts = path.split("/") if isinstance(path, str) else []
+                if len(parts) >= 4 and parts[0] == "reductions" and _COMMIT_FOLDER.fullmatch(parts[2]):
+                    out.add("/".join(parts[:3]))
+    return out
+
+
 def _link_or_copy(path: Path, keep: Path) -> None:
     """Make ``keep`` a hard link to ``path`` (a copy on a file system without hard links: some
     network and FUSE mounts), replacing any ``keep``; OSError with no ``keep`` left otherwise."""
@@ -987,10 +1011,11 @@ class StoreWriter:
         no activation array, no token row table. Hook points are declared with
         :meth:`open_reduced` instead of :meth:`open_array`, each recorded forward gives its
         rows reduced per hook point (``add_batch(reduced_rows=...)``), and
-        :meth:`add_reductions` stores the reductions. Made by ``ActivationScope(store=...,
-        reduction_policy=ReductionPolicy.STREAMING)``. Such a store cannot be resumed (yet):
-        ``resume=True`` of it, or with this option, raises :class:`StoreError` before anything
-        is changed.
+        :meth:`add_reductions` stores the reductions, or, with :meth:`set_reduction_source`,
+        every commit stores the states of the committed forwards. Made by
+        ``ActivationScope(store=..., reduction_policy=ReductionPolicy.STREAMING)``. Only such a
+        writer resumes such a store, and it resumes no store of rows (:class:`StoreError`
+        before anything is changed).
 
     Notes
     -----
@@ -1292,12 +1317,12 @@ class StoreWriter:
         """Resume: refuse, before anything is changed, a store that keeps reductions only, or a
         capture that keeps reductions only into a store of rows (FORMAT.md section 11)."""
         stored_only = ours.get("rows_stored") is False
-        if not stored_only and not self.reductions_only:
+        if stored_only == self.reductions_only:
             return
         if stored_only:
-            why = ("it keeps reductions only (captured with ReductionPolicy.STREAMING), and a capture that keeps "
-                   "reductions only cannot be resumed: the reductions are stored when the capture closes, and no "
-                   "activation row is stored to compute them again from")
+            why = ("it keeps reductions only (captured with ReductionPolicy.STREAMING), and this capture stores "
+                   "activation rows: one store cannot hold both (resume it with reduction_policy="
+                   "ReductionPolicy.STREAMING and the same reductions=)")
         else:
             why = ("it stores activation rows, and this capture keeps reductions only (ReductionPolicy.STREAMING): "
                    "one store cannot hold both")
@@ -1413,8 +1438,15 @@ class StoreWriter:
         # a store that keeps reductions only: {hook point: {"row_kind", "feature_shape", "dtype",
         # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
         # listed from the batch that records the forward each was first seen in
-        self._reduced: dict[str, dict] = {}
+        self._reduced: dict[str, dict] = {hp: dict(e) for hp, e in (st.get("reduced") or {}).items()}
         self._unrecorded_reduced: list[str] = []
+        self._declared: set[str] = set()  # (open_reduced by this writer)
+        # with set_reduction_source: where each commit takes the reductions' states from, the
+        # folders of the reduction files the last root lists (per commit: FORMAT.md section 11),
+        # and the reduction groups written so far
+        self._reduction_source: Any = None
+        self._listed_commit_folders: set[str] = _commit_folders(st.get("reductions") or {})
+        self._reduction_groups: set[str] = set()
         # (row kind, column) -> Arrow type of a user column: one type per column of a store
         self._column_types: dict[tuple[str, str], Any] = {}
         if self._state is not None:
@@ -1425,16 +1457,22 @@ class StoreWriter:
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         #: Hook points the store held when this writer opened (arrays and aliases; resume).
-        self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases))
+        self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases) | set(self._reduced))
         #: Those whose rows no longer follow the row table (a module not called in every forward).
         self.stored_intermittent: list[str] = sorted(
             hp for hp in self.stored_hook_points
             if not (self._old_arrays.get(self.aliases.get(hp, hp)) or {}).get("follows_row_table", True))
+        #: ``{hook point: [reduction names]}`` the store held when this writer opened (resume).
+        self.stored_reductions: dict[str, list[str]] = {
+            hp: sorted({e.get("reduction") for e in entries.values() if isinstance(e, dict)
+                        and isinstance(e.get("reduction"), str)}) for hp, entries in self._old_reductions.items()}
         #: The capture_config the store recorded when this writer opened (resume; empty otherwise).
         config = st.get("capture_config")
         self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
         if self._state is not None:
             self._truncate_to_committed()
+            if self.reductions_only:
+                self._remove_unlisted_commit_folders()
         # the running counter of default sample ids, as the committed batches left it
         self._committed_next_id = self._stored_next_id(st)
         # the first byte: the root document (status incomplete). An overwrite on object storage writes
@@ -1623,16 +1661,21 @@ class StoreWriter:
         with self._lock:
             self._user_columns(columns, mask, None)
 
-    def _root_attrs(self, status: str) -> dict:
-        arrays = dict(self._old_arrays)
-        for hp, a in self._arrays.items():
-            if a.recorded:
-                arrays[hp] = a.meta()
+    def _root_reductions(self) -> dict:
+        """The root's ``reductions``: the stored ones, each replaced by this run's of its name."""
         reductions = {hp: dict(entries) for hp, entries in self._old_reductions.items()}
         for hp, entries in self._reductions.items():  # per name: a reduction not continued stays (as partial)
             names = {e.get("reduction") for e in entries.values()}
             kept = {k: e for k, e in reductions.get(hp, {}).items() if e.get("reduction") not in names}
             reductions[hp] = {**kept, **entries}  # a rewritten reduction keeps none of its old keys
+        return reductions
+
+    def _root_attrs(self, status: str) -> dict:
+        arrays = dict(self._old_arrays)
+        for hp, a in self._arrays.items():
+            if a.recorded:
+                arrays[hp] = a.meta()
+        reductions = self._root_reductions()
         # a store that keeps reductions only: version 3, rows_stored and reduced in place of arrays and
         # aliases (FORMAT.md section 11: a version 2 reader refuses it, never reads it as a store of no rows)
         only = self.reductions_only
@@ -2220,7 +2263,7 @@ class StoreWriter:
             if not self.reductions_only:
                 raise StoreError(f"hook point {hook_point!r}: the store writer of {str(self._backend)!r} stores rows; "
                                  "open_reduced is for a writer made with reductions_only=True (use open_array)")
-            if hook_point in self._reduced:
+            if hook_point in self._declared:
                 raise StoreError(f"hook point {hook_point!r} was already declared in this store writer")
             name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
             if row_kind not in ROW_KINDS:
@@ -2231,6 +2274,18 @@ class StoreWriter:
             if math.prod(feature_shape) * F.itemsize(name) > V.MAX_ROW_BYTES:
                 raise ArgumentValueError(f"hook point {hook_point!r}: rows of feature shape {feature_shape} ({name}) hold "
                                          f"more than {V.MAX_ROW_BYTES} bytes, which a store cannot describe")
+            self._declared.add(hook_point)
+            old = self._reduced.get(hook_point)
+            if old is not None:  # (a resume: the stored hook point's rows)
+                got = (list(feature_shape), name, row_kind)
+                want = (list(old["feature_shape"]), old["dtype"], old["row_kind"])
+                if got != want:
+                    raise StoreError(
+                        f"hook point {hook_point!r} has feature shape {got[0]}, dtype {got[1]}, {got[2]} rows, but the "
+                        f"store {str(self._backend)!r} reduced rows of feature shape {want[0]}, dtype {want[1]}, "
+                        f"{want[2]} rows; resume with the same model, storage_dtype and rows, or capture again with "
+                        "overwrite=True")
+                return
             self._reduced[hook_point] = {"row_kind": row_kind, "feature_shape": list(feature_shape), "dtype": name,
                                          "n_rows": 0}
             self._unrecorded_reduced.append(hook_point)
@@ -2971,6 +3026,9 @@ class StoreWriter:
                 break
         if k < len(self._pending) and not self._closed:
             self._request_partial_shards(durable)
+        live = None
+        if self._reduction_source is not None and (k > 0 or force):
+            live, k = self._reduction_states_due(k, status)
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
         # the rewrites of shards whose key may hold committed rows (the partial last shard of a
@@ -3044,9 +3102,13 @@ class StoreWriter:
             a.manifest_dirty = False
             if a.committed_rows > 0 or force:
                 a.doc_rows = a.committed_rows
+        if live:  # (a store that keeps reductions only: the states of the committed forwards, new files)
+            self._write_commit_reductions(live)
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         b.set("zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)})))
+        if self._reduction_source is not None:
+            self._drop_unlisted_commit_folders()
         self._root_n_samples = self.n_samples_committed
         self._unpublished = False
         self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
@@ -3057,6 +3119,97 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def set_reduction_source(self, source: Any) -> None:
+        """A writer that keeps reductions only: make every commit store the reductions of the
+        forwards it commits (FORMAT.md section 11), so that a capture killed at any point leaves
+        a store whose reductions cover exactly its committed forwards, which a resume continues.
+
+        Parameters
+        ----------
+        source : callable
+            ``source() -> [(hook point, name, reduction, rows)]``: each reduction of a hook
+            point declared with :meth:`open_reduced` (an object with ``result()``, ``state()``
+            and ``kind``, as :meth:`add_reductions` takes) and the rows its state covers, from
+            the start of the capture. Called by each commit, in the thread that commits (after
+            a forward, or the close); a commit stores a reduction only while its rows are those
+            the committed forwards reduced (``add_batch(reduced_rows=...)``).
+
+        Raises
+        ------
+        StoreError
+            The writer stores rows (``reductions_only`` False).
+        """
+        if not self.reductions_only:
+            raise StoreError(f"the store writer of {str(self._backend)!r} stores rows; set_reduction_source is for a "
+                             "writer made with reductions_only=True")
+        self._reduction_source = source
+
+    def _reduction_states_due(self, k: int, status: str) -> tuple[list, int]:
+        """Commit of a store that keeps reductions only: the reductions to store with the ``k``
+        forwards it would commit, and how many forwards it commits. Each reduction's state must
+        cover exactly the rows of those forwards: after a forward, it does. A close after a
+        failure (status incomplete) whose states cover more (a forward cut short by the error)
+        commits no new forward, so that the store ends at its last commit with states that a
+        resume continues; a close with status complete stores them as they are (partial, as
+        readers show them)."""
+        live = [x for x in self._reduction_source()
+                if x[0] in self._reduced and x[0] not in self._unrecorded_reduced]  # (never recorded: never listed)
+        target = dict(self._reduced_counts())
+        if k:
+            target.update(self._pending[k - 1].reduced)
+        exact = all(int(rows) == target.get(hp) for hp, _n, _r, rows in live)
+        if not exact and self._closed and status == "incomplete":
+            return [], 0
+        if not exact and not self._closed:
+            # (a commit between a forward cut short and the next forward: the states wait for it)
+            live = [x for x in live if int(x[3]) == target.get(x[0])]
+        return live, k
+
+    def _reduced_counts(self) -> dict[str, int]:
+        return {hp: int(e["n_rows"]) for hp, e in self._reduced.items()}
+
+    def _write_commit_reductions(self, live: list) -> None:
+        """Store ``live`` (:meth:`set_reduction_source`) under a new folder
+        ``reductions/<node>/__c<batches>-<hex>/`` of each hook point: the root written next
+        lists them, and the folders the root listed before are removed after it
+        (:meth:`_drop_unlisted_commit_folders`), so that a commit killed at any point leaves the
+        store as one root lists it."""
+        tag = f"__c{self._n_batches}-{uuid.uuid4().hex[:8]}/"
+        for hp, name, reduction, rows in live:
+            self._refuse_reduction_name(hp, name)
+            self._add_reductions(hp, name, reduction, None, int(rows), folder=tag)
+
+    def _drop_unlisted_commit_folders(self) -> None:
+        """After a root: remove the reduction folders of earlier commits that it no longer lists."""
+        listed = _commit_folders(self._root_reductions())
+        for folder in sorted(self._listed_commit_folders - listed):
+            self._remove_commit_folder(folder)
+        self._listed_commit_folders = listed
+
+    def _remove_unlisted_commit_folders(self) -> None:
+        """Resume of a store that keeps reductions only: remove the reduction folders of commits
+        that no root lists (a capture killed between writing them and its root, or before it
+        removed those of its previous commit), before anything is written."""
+        listed = _commit_folders(self._old_reductions)
+        found = set()
+        for key in self._backend.list("reductions/"):
+            parts = key.split("/")
+            if len(parts) >= 4 and _COMMIT_FOLDER.fullmatch(parts[2]):
+                found.add("/".join(parts[:3]))
+        for folder in sorted(found - listed):
+            self._remove_commit_folder(folder)
+
+    def _remove_commit_folder(self, folder: str) -> None:
+        """Delete every file under ``folder`` (and, in a local store, its emptied folders)."""
+        for key in list(self._backend.list(folder + "/")):
+            self._backend.delete(key)
+        if isinstance(self._backend, LocalBackend):
+            top = self._backend.root / folder
+            if os.path.isdir(top) and not os.path.islink(top):
+                for dirpath, _dirs, _files in os.walk(top, topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(dirpath)
 
     def _list_shard(self, a: _Array, rec: Mapping[str, Any]) -> None:
         """Commit, step 1: list the shard ``rec`` the writer thread finished for ``a`` in its
@@ -3372,7 +3525,10 @@ class StoreWriter:
                 "be overwritten by an array of the other; give it another name with (name, spec)")
 
     def _add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None,
-                        n_rows: int | None) -> None:
+                        n_rows: int | None, folder: str = "") -> None:
+        """``folder``: a commit's folder (``__c<batches>-<hex>/``) in the hook point's reduction
+        folder, where a store that keeps reductions only writes each commit's files: never a
+        committed file, so none is kept or removed here (:meth:`_drop_unlisted_commit_folders`)."""
         with self._lock:
             self._check_still_held()
             result = reduction.result()
@@ -3404,13 +3560,21 @@ class StoreWriter:
             if state and result:
                 planned.update({f"reductions/{node}/{name}.state.{key}": tuple(torch.as_tensor(v).shape)
                                 for key, v in state.items()})
-            self._keep_committed_reduction(hook_point, name)
-            self._drop_old_reduction(hook_point, name, planned)
-            self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
-            self._backend.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
+            if not folder:
+                self._keep_committed_reduction(hook_point, name)
+                self._drop_old_reduction(hook_point, name, planned)
+            else:  # (the entries of this reduction from an earlier commit: replaced as a whole)
+                for old in [k for k, e in entries.items() if e.get("reduction") == name]:
+                    del entries[old]
+            if node not in self._reduction_groups:  # (once per writer: a commit rewrites none)
+                self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
+                self._backend.set(f"reductions/{node}/zarr.json",
+                                  F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
+                if folder:
+                    self._reduction_groups.add(node)
             for key, value in result.items():
                 full = name if key == main else f"{name}.{key}"
-                path = f"reductions/{node}/{full}"
+                path = f"reductions/{node}/{folder}{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
                 # an alias has no array: its reductions line up with its target's, which readers read for it
@@ -3431,7 +3595,7 @@ class StoreWriter:
                 owner = entries[name] if name in entries else entries[f"{name}.{next(iter(result))}"]
                 saved = {}
                 for key, value in state.items():
-                    path = f"reductions/{node}/{name}.state.{key}"
+                    path = f"reductions/{node}/{folder}{name}.state.{key}"
                     if _unstorable(value) is not None:
                         saved = None  # a state this format cannot hold: the result stays, resume rebuilds
                         break
@@ -3464,7 +3628,7 @@ class StoreWriter:
             if data is None and pt is not None and Path(pt).is_file():
                 data = Path(pt).read_bytes()
             if isinstance(data, (bytes, bytearray)):
-                key = f"reductions/{node}/{name}.pt"
+                key = f"reductions/{node}/{folder}{name}.pt"
                 data = bytes(data)
                 self._backend.set(key, data)
                 if name in entries:
@@ -3793,7 +3957,7 @@ class StoreWriter:
         hook_point : str
             A hook point of this capture.
         """
-        old = self._old_arrays.get(hook_point)
+        old = self._old_arrays.get(hook_point) or ((self._state or {}).get("reduced") or {}).get(hook_point)
         return 0 if old is None else int(old["n_rows"])
 
     def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Mapping[str, Any] | None = None,
@@ -3872,7 +4036,8 @@ class StoreWriter:
         except StoreCorruptError:
             return None  # (see above: recomputed from the committed rows)
         if script is _NOT_CUSTOM:
-            array = self._old_arrays.get(self.aliases.get(hook_point, hook_point)) or {}
+            array = (self._old_arrays.get(self.aliases.get(hook_point, hook_point))
+                     or ((self._state or {}).get("reduced") or {}).get(hook_point) or {})
             feature_shape = array.get("feature_shape")
             # (of integer rows, a float64 min / max / topk state, as an older version wrote, is
             # not exact beyond 2**53: recomputed from the rows, in int64)
