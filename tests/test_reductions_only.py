@@ -311,13 +311,35 @@ def test_cli_capture_info_and_verify(tmp_path, capsys):
     assert "stores:   reductions only" in text and "reduced, reductions only (no activation row)" in text
     assert main(["verify", str(out)]) == 0
     assert "ok (reductions only:" in capsys.readouterr().out
-    # --reductions-only needs --reduce; with --resume it is refused; nothing is written
+    # --reductions-only needs --reduce; nothing is written
     assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(tmp_path / "n.zarr"),
                  "--reductions-only", "--no-progress"]) != 0
     assert "--reductions-only keeps the reductions only, and no --reduce was given" in capsys.readouterr().err
     assert not (tmp_path / "n.zarr").exists()
+    # its resume needs --reductions-only; the store is left as it was
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean",
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean,var",
                  "--resume", "--max-samples", "16", "--no-progress"]) != 0
-    assert "keeps reductions only" in capsys.readouterr().err
+    assert "keeps reductions only (captured with --reductions-only): pass --reductions-only" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_cli_resume_equals_an_uninterrupted_capture(tmp_path, capsys):
+    from activationscope.cli import main
+
+    args = ["--model", "demo", "--data", "demo", "--reduce", "mean,var,topk[k=3]", "--reductions-only",
+            "--batch-size", "4", "--no-progress"]
+    assert main(["capture", *args, "--out", str(tmp_path / "ref.zarr"), "--max-samples", "16"]) == 0
+    assert main(["capture", *args, "--out", str(tmp_path / "r.zarr"), "--max-samples", "8"]) == 0
+    assert main(["capture", *args, "--out", str(tmp_path / "r.zarr"), "--max-samples", "16", "--resume"]) == 0
+    a, b = open_store(tmp_path / "r.zarr"), open_store(tmp_path / "ref.zarr")
+    assert a.n_samples == 16 and a.reduced == b.reduced and a.partial_reductions == {}
+    for hp in b.hook_points:
+        for name, value in b.reductions[hp].items():
+            assert torch.equal(a.reductions[hp][name], value), (hp, name)
+    # a store of rows is never continued with --reductions-only
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(tmp_path / "rows.zarr"),
+                 "--max-samples", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["capture", *args, "--out", str(tmp_path / "rows.zarr"), "--max-samples", "8", "--resume"]) != 0
+    assert "stores activation rows, and one store cannot hold both" in capsys.readouterr().err

@@ -473,8 +473,9 @@ def capture_dataset(
     reductions_only : bool, default False
         ``--reductions-only``: a store that keeps the reductions only (and the sample row
         table), no activation row (``ActivationScope(reduction_policy=ReductionPolicy.STREAMING)``,
-        ``store/FORMAT.md`` section 11). Needs ``reductions``; refused with ``resume``, and
-        a ``resume`` of such a store is refused (StoreError), nothing changed.
+        ``store/FORMAT.md`` section 11). Needs ``reductions``; a ``resume`` of such a store
+        needs it (and the same ``reductions``), and a ``resume`` with it of a store of rows is
+        refused (StoreError), nothing changed.
     on_start : callable, optional
         Called once with :attr:`CaptureSummary.include_note` (the modules tracked without
         ``include``, in a few words) before the first forward, when there is one: what a long
@@ -546,10 +547,6 @@ def capture_dataset(
         raise ArgumentValueError("--reductions-only keeps the reductions only, and no --reduce was given, so the store "
                                  "would hold nothing; pass --reduce (e.g. --reduce mean,var), or drop --reductions-only "
                                  "to store every row")
-    if reductions_only and resume:
-        raise ArgumentValueError("--reductions-only cannot be combined with --resume: a capture that keeps reductions "
-                                 "only stores them when it ends, and no row to compute them again from, so it cannot "
-                                 "be continued; capture again with --overwrite")
     if batch_size < 1:
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
@@ -592,7 +589,7 @@ def capture_dataset(
             _ensure_pad_token(loaded.tokenizer, model)
             _pad_on_the_right(loaded.tokenizer)
             if resume:
-                store = _open_resumed(out)
+                store = _open_resumed(out, reductions_only)
                 max_length = _resumed_max_length(out, max_length, store)
             max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
             count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
@@ -604,7 +601,7 @@ def capture_dataset(
                     f"{n_special + 1} or more")
         n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
         if resume and store is None:
-            store = _open_resumed(out)
+            store = _open_resumed(out, reductions_only)
         first = resume_offset(store) if resume else 0
         include, include_note = _include_for(include, loaded, out, resume, store)
         if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
@@ -1191,16 +1188,18 @@ def resume_offset(out: Any) -> int:
         store.close()
 
 
-def _open_resumed(out: str) -> Any:
+def _open_resumed(out: str, reductions_only: bool | None = None) -> Any:
     """The store at ``out`` that a resume continues, opened: once per resume, its one snapshot
-    read by every check of the resume (:func:`capture_dataset`).
+    read by every check of the resume (:func:`capture_dataset`). ``reductions_only``: whether
+    the resume keeps reductions only (``--reductions-only``); None checks nothing of it.
 
     Raises
     ------
     ArgumentValueError
         ``out`` is a local path where nothing is (``--resume`` without a store).
     StoreError
-        No store opens at ``out``.
+        No store opens at ``out``; or it keeps reductions only and the resume stores rows (no
+        ``--reductions-only``), or the other way round; nothing changed.
     """
     from ..store import open_store
     from ..store._backend import local_path
@@ -1209,10 +1208,14 @@ def _open_resumed(out: str) -> Any:
     if local is not None and not os.path.exists(local):
         raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
     store = open_store(out)
-    if not store.rows_stored:
+    if reductions_only is not None and store.rows_stored == reductions_only:
         store.close()
-        raise StoreError(f"--resume: store {out!r} keeps reductions only (captured with --reductions-only), and such "
-                         "a capture cannot be continued; nothing was changed. Capture again with --overwrite")
+        if reductions_only:
+            raise StoreError(f"--resume --reductions-only: store {out!r} stores activation rows, and one store cannot "
+                             "hold both; nothing was changed. Drop --reductions-only to continue it, or capture into "
+                             "another --out")
+        raise StoreError(f"--resume: store {out!r} keeps reductions only (captured with --reductions-only): pass "
+                         "--reductions-only with the same --reduce to continue it; nothing was changed")
     return store
 
 

@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "mean,var[ddof=1],nonzero,hist[lo=-4,hi=4,bins=64],topk[k=5]")
     p.add_argument("--reductions-only", action="store_true",
                    help="keep only the --reduce reductions (and the sample table) in the store, no activation row: "
-                        "flat memory and disk for statistics over many tokens; cannot be resumed")
+                        "flat memory and disk for statistics over many tokens (--resume of such a store needs it)")
     p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store floating-point activations as this dtype (integer and bool ones keep theirs)")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
     p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
