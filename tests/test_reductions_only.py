@@ -343,3 +343,24 @@ def test_cli_resume_equals_an_uninterrupted_capture(tmp_path, capsys):
     capsys.readouterr()
     assert main(["capture", *args, "--out", str(tmp_path / "rows.zarr"), "--max-samples", "8", "--resume"]) != 0
     assert "stores activation rows, and one store cannot hold both" in capsys.readouterr().err
+
+
+def test_commits_wait_for_ten_times_the_time_their_states_took(tmp_path):
+    # each commit writes every reduction's state (a cov of wide rows: megabytes): a store that keeps
+    # reductions only commits no more often than STATE_WRITE_SHARE times the time that took
+    from activationscope.store.writer import STATE_WRITE_SHARE
+
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"commit_interval": 0})
+    with scope.track(model) as tracker, torch.no_grad():
+        for i, (x, mask) in enumerate(_batches(4)):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            if i == 0:  # (committed: its hook points are new) as if its states had taken 1000 s
+                assert tracker.writer._state_write_s < 1000
+                tracker.writer._state_write_s = 1000.0
+                assert tracker.writer._due_interval() == STATE_WRITE_SHARE * 1000.0
+        assert open_store(path).n_samples == 3  # no commit since
+    assert open_store(path).n_samples == 12 and open_store(path).partial_reductions == {}

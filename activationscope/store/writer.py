@@ -891,6 +891,10 @@ def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
     return {key: F.crc32c(data)}
 
 
+#: A store that keeps reductions only commits at most once per this many times the seconds its
+#: last commit took to write the reductions' states (StoreWriter._due_interval): about 10% of the time.
+STATE_WRITE_SHARE = 10.0
+
 #: The folder, in a hook point's reduction folder, of the reduction files one commit of a store
 #: that keeps reductions only writes (FORMAT.md section 11): ``__c<batches>-<8 hex digits>``. A
 #: reduction's name never starts with ``__`` (FORMAT.md section 6), so none is ever one.
@@ -996,7 +1000,9 @@ class StoreWriter:
         :meth:`close` commit at once. An array that holds the commits back (a hook point called
         in some forwards only) has its open shard written as a partial shard at most once per
         interval, up to a shard's bytes each time, while the partial shards written stay within
-        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured.
+        ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured. A store that keeps reductions
+        only writes every reduction's state at each commit: it commits at most once per
+        ``STATE_WRITE_SHARE`` (10) times the seconds its last commit took to write them.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -1445,6 +1451,7 @@ class StoreWriter:
         # folders of the reduction files the last root lists (per commit: FORMAT.md section 11),
         # and the reduction groups written so far
         self._reduction_source: Any = None
+        self._state_write_s = 0.0  # (seconds the last commit took to write them: _due_interval)
         self._listed_commit_folders: set[str] = _commit_folders(st.get("reductions") or {})
         self._reduction_groups: set[str] = set()
         # (row kind, column) -> Arrow type of a user column: one type per column of a store
@@ -2954,9 +2961,18 @@ class StoreWriter:
         version = self._core.durable_version
         if version == self._seen_version and not self._unpublished and not (self.reductions_only and self._pending):
             return False  # (a store of reductions only has no shard to wait for: every recorded forward is due)
-        if not self._unpublished and time.monotonic() - self._last_commit < self._commit_interval:
+        if not self._unpublished and time.monotonic() - self._last_commit < self._due_interval():
             return False
         return self.commit()
+
+    def _due_interval(self) -> float:
+        """Seconds between two commits of :meth:`maybe_commit`: ``commit_interval``; with
+        :meth:`set_reduction_source`, also at least ``STATE_WRITE_SHARE`` times the time the last
+        commit took to write the reductions' states (a ``cov`` of wide rows is megabytes a
+        commit), so that writing them stays a small share of the capture's time."""
+        if self._reduction_source is None:
+            return self._commit_interval
+        return max(self._commit_interval, STATE_WRITE_SHARE * self._state_write_s)
 
     def commit(self) -> bool:
         """Commit now the rows the writer thread made durable (whole shards), whatever
@@ -3176,9 +3192,11 @@ class StoreWriter:
         (:meth:`_drop_unlisted_commit_folders`), so that a commit killed at any point leaves the
         store as one root lists it."""
         tag = f"__c{self._n_batches}-{uuid.uuid4().hex[:8]}/"
+        t0 = time.monotonic()
         for hp, name, reduction, rows in live:
             self._refuse_reduction_name(hp, name)
             self._add_reductions(hp, name, reduction, None, int(rows), folder=tag)
+        self._state_write_s = time.monotonic() - t0
 
     def _drop_unlisted_commit_folders(self) -> None:
         """After a root: remove the reduction folders of earlier commits that it no longer lists."""

@@ -30,6 +30,18 @@ BATCH = 5
 
 
 def capture(path: str, n_batches: int, *, sleep_s: float = 0.0) -> None:
+    import activationscope.store.writer as writer
+
+    # a commit after every forward (none waits for the time the states took): kills land between
+    # and inside commits
+    share, writer.STATE_WRITE_SHARE = writer.STATE_WRITE_SHARE, 0.0
+    try:
+        _capture(path, n_batches, sleep_s)
+    finally:
+        writer.STATE_WRITE_SHARE = share
+
+
+def _capture(path: str, n_batches: int, sleep_s: float) -> None:
     torch.manual_seed(0)
     model = MLP().eval()
     xs = batches_mlp(n_batches=n_batches, batch=BATCH)
