@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,3 +228,60 @@ def test_a_resume_where_reductions_apply_to_some_hook_points(tmp_path):
     a, b = open_store(tmp_path / "r.zarr"), open_store(tmp_path / "ref.zarr")
     assert a.hook_points == ["fc1.output"]
     _assert_equal_stores(a, b)
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_resume_on_object_storage(request, tmp_path, where):
+    # no kept copy there: each commit's files are new ones, and the ones before go after its root
+    options = request.getfixturevalue("s3") if where == "s3" else None
+    url = (f"memory://reduced-{tmp_path.name}" if where == "memory"
+           else f"s3://acs-bucket/reduced-{tmp_path.name}.zarr")
+    torch.manual_seed(0)
+    model = reduced_child.MLP().eval()
+    xs = reduced_child.batches_mlp(n_batches=4, batch=reduced_child.BATCH)
+
+    def capture(target, first, last, resume, storage_options=None):
+        opts = {"resume": resume, "commit_interval": 0,
+                **({"storage_options": storage_options} if storage_options else {})}
+        scope = acs.ActivationScope(store=target, reduction_policy=acs.ReductionPolicy.STREAMING,
+                                    reductions=reduced_child.REDUCTIONS, store_options=opts)
+        with scope.track(model), torch.no_grad():
+            for x in xs[first:last]:
+                model(x)
+
+    capture(str(tmp_path / "ref.zarr"), 0, 4, False)
+    capture(url, 0, 2, False, options)
+    capture(url, 2, 4, True, options)
+    store = open_store(url, storage_options=options)
+    _assert_equal_stores(store, open_store(tmp_path / "ref.zarr"))
+    listed = {e["path"].split("/")[2] for entries in store.attrs["reductions"].values() for e in entries.values()}
+    assert len(listed) == 1  # one commit's folder listed, and the files of the commits before are gone
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    found = {p.split("/reductions/")[1].split("/")[1] for p in fs.find(root) if "/reductions/" in p
+             and p.split("/reductions/")[1].count("/") >= 2}
+    assert found == listed
+
+
+def test_a_resume_removes_unlisted_commit_folders_only_inside_the_store(tmp_path, reference):
+    path = tmp_path / "r.zarr"
+    reduced_child.capture(str(path), 2)
+    node = path / "reductions" / "fc1.output"
+    stray = node / "__c7-0000abcd" / "mean" / "c"
+    stray.mkdir(parents=True)
+    (stray / "0").write_bytes(b"left by a killed commit")
+    victim = tmp_path / "victim"
+    (victim / "mean").mkdir(parents=True)
+    (victim / "mean" / "keep").write_bytes(b"keep me")
+    (node / "__c8-0000abcd").symlink_to(victim, target_is_directory=True)
+    named_alike = node / "__c9-notacommit"  # (not a commit folder's name: left alone)
+    named_alike.mkdir()
+    (named_alike / "x").write_bytes(b"x")
+    reduced_child.capture(str(path), N_BATCHES)
+    assert not (node / "__c7-0000abcd").exists()
+    assert (victim / "mean" / "keep").read_bytes() == b"keep me"  # a link is never followed
+    assert (named_alike / "x").exists()
+    (node / "__c8-0000abcd").unlink()
+    shutil.rmtree(named_alike)
+    _assert_equal_stores(open_store(path), reference)
