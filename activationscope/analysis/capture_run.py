@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import (ActivationScopeError, ArgumentValueError, CaptureError, CaptureWarning, SpecError,
-                      StoreLockedError, docs_page, warn_at_caller)
+                      StoreError, StoreLockedError, docs_page, warn_at_caller)
 from ..sizes import dir_bytes, format_bytes
 
 #: Tokens per text at most (longer texts are truncated).
@@ -78,6 +78,7 @@ def run_capture(
     rows: str = "auto",
     exclude_hook_points: list[str] | None = None,
     data: str | None = None,
+    reductions_only: bool = False,
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
 
@@ -104,6 +105,9 @@ def run_capture(
     rows : {"auto", "token"}, default "auto"
         ``ActivationScope(rows=...)``: ``"token"`` stores one row per token of tensor data
         without a mask (``(batch, pos)`` of the model's first input).
+    reductions_only : bool, default False
+        A store that keeps reductions only
+        (``ActivationScope(reduction_policy=ReductionPolicy.STREAMING)``).
 
     Raises
     ------
@@ -117,12 +121,13 @@ def run_capture(
     from tqdm.auto import tqdm
 
     from .. import store as _store  # noqa: F401 - registers the store writer with capture
-    from ..capture.scope import ActivationScope
+    from ..capture.scope import ActivationScope, ReductionPolicy
 
     scope = ActivationScope(
         store=out,
         store_options=store_options or {},
         reductions=reductions or None,
+        **({"reduction_policy": ReductionPolicy.STREAMING} if reductions_only else {}),
         storage_dtype=storage_dtype,
         capture=capture,
         stop_after_last=stop_after_last,
@@ -388,6 +393,7 @@ def capture_dataset(
     labels: str | None = None,
     text_column: str | None = None,
     label_column: str | None = None,
+    reductions_only: bool = False,
 ) -> CaptureSummary:
     """Capture a model spec over a data spec into a store: ``activationscope capture`` as a function.
 
@@ -464,6 +470,12 @@ def capture_dataset(
         ``ActivationScope(token_rows=...)`` (``--token-rows`` / ``--sample-rows``); each
         pattern must select a hook point of the first forward (of the store, for a resume
         with nothing left to capture), else HookPointNotFoundError names the flag.
+    reductions_only : bool, default False
+        ``--reductions-only``: a store that keeps the reductions only (and the sample row
+        table), no activation row (``ActivationScope(reduction_policy=ReductionPolicy.STREAMING)``,
+        ``store/FORMAT.md`` section 11). Needs ``reductions``; a ``resume`` of such a store
+        needs it (and the same ``reductions``), and a ``resume`` with it of a store of rows is
+        refused (StoreError), nothing changed.
     on_start : callable, optional
         Called once with :attr:`CaptureSummary.include_note` (the modules tracked without
         ``include``, in a few words) before the first forward, when there is one: what a long
@@ -528,8 +540,13 @@ def capture_dataset(
 
     # (resume="False" or overwrite="False", from a config file, are true strings: they resumed or replaced the store)
     resume, overwrite = parse_flag(resume, "resume"), parse_flag(overwrite, "overwrite")
+    reductions_only = parse_flag(reductions_only, "reductions_only")
     if resume and overwrite:
         raise ArgumentValueError("--resume and --overwrite exclude each other: pass one of them")
+    if reductions_only and not reductions:
+        raise ArgumentValueError("--reductions-only keeps the reductions only, and no --reduce was given, so the store "
+                                 "would hold nothing; pass --reduce (e.g. --reduce mean,var), or drop --reductions-only "
+                                 "to store every row")
     if batch_size < 1:
         raise ArgumentValueError(f"--batch-size must be a positive int, got {batch_size}")
     if max_samples is not None and max_samples < 1:
@@ -572,7 +589,7 @@ def capture_dataset(
             _ensure_pad_token(loaded.tokenizer, model)
             _pad_on_the_right(loaded.tokenizer)
             if resume:
-                store = _open_resumed(out)
+                store = _open_resumed(out, reductions_only)
                 max_length = _resumed_max_length(out, max_length, store)
             max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
             count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
@@ -584,7 +601,7 @@ def capture_dataset(
                     f"{n_special + 1} or more")
         n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
         if resume and store is None:
-            store = _open_resumed(out)
+            store = _open_resumed(out, reductions_only)
         first = resume_offset(store) if resume else 0
         include, include_note = _include_for(include, loaded, out, resume, store)
         if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
@@ -643,7 +660,7 @@ def capture_dataset(
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
         progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
         exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
-        data=data if dataset.tensor is not None else None,
+        data=data if dataset.tensor is not None else None, reductions_only=reductions_only,
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
     return summary
@@ -1171,16 +1188,18 @@ def resume_offset(out: Any) -> int:
         store.close()
 
 
-def _open_resumed(out: str) -> Any:
+def _open_resumed(out: str, reductions_only: bool | None = None) -> Any:
     """The store at ``out`` that a resume continues, opened: once per resume, its one snapshot
-    read by every check of the resume (:func:`capture_dataset`).
+    read by every check of the resume (:func:`capture_dataset`). ``reductions_only``: whether
+    the resume keeps reductions only (``--reductions-only``); None checks nothing of it.
 
     Raises
     ------
     ArgumentValueError
         ``out`` is a local path where nothing is (``--resume`` without a store).
     StoreError
-        No store opens at ``out``.
+        No store opens at ``out``; or it keeps reductions only and the resume stores rows (no
+        ``--reductions-only``), or the other way round; nothing changed.
     """
     from ..store import open_store
     from ..store._backend import local_path
@@ -1188,7 +1207,16 @@ def _open_resumed(out: str) -> Any:
     local = local_path(out)
     if local is not None and not os.path.exists(local):
         raise ArgumentValueError(f"--resume: store {out!r} does not exist; drop --resume to start a new store")
-    return open_store(out)
+    store = open_store(out)
+    if reductions_only is not None and store.rows_stored == reductions_only:
+        store.close()
+        if reductions_only:
+            raise StoreError(f"--resume --reductions-only: store {out!r} stores activation rows, and one store cannot "
+                             "hold both; nothing was changed. Drop --reductions-only to continue it, or capture into "
+                             "another --out")
+        raise StoreError(f"--resume: store {out!r} keeps reductions only (captured with --reductions-only): pass "
+                         "--reductions-only with the same --reduce to continue it; nothing was changed")
+    return store
 
 
 def check_reductions(names: Sequence[str] | None) -> list[Any] | None:

@@ -128,11 +128,15 @@ class StoragePolicy(enum.Enum):
 
 
 class ReductionPolicy(enum.Enum):
-    """What is kept in memory next to the reductions (a store holds every captured row).
+    """What is kept next to the reductions.
 
-    STORE_ALL : every captured activation, plus the reductions.
+    STORE_ALL : every captured activation, plus the reductions (in memory, or every row in a
+        store with ``store=``).
     STREAMING : reductions only; activations are reduced and dropped (memory stays flat).
-    FINAL_ONLY : only the most recent activation per hook point, plus the reductions.
+        With ``store=``, a store that keeps the reductions, the sample row table and the rows
+        reduced per hook point, and no activation row (``store/FORMAT.md`` section 11).
+    FINAL_ONLY : only the most recent activation per hook point, plus the reductions (in
+        memory only).
     """
 
     STORE_ALL = "store_all"
@@ -291,9 +295,18 @@ class ActivationScope:
         Where activations go; DISK (the default when ``store=`` is given) streams them into
         the store.
     reduction_policy : ReductionPolicy, default STORE_ALL
-        Whether activations are kept in memory next to the reductions. A store holds every
-        captured row whatever it says: with ``storage=StoragePolicy.DISK`` (the default with
-        ``store=``) another policy than STORE_ALL is refused.
+        Whether activations are kept next to the reductions. With ``store=`` (and
+        ``storage=StoragePolicy.DISK``, its default): STORE_ALL stores every captured row;
+        STREAMING (``reductions=`` required) makes a store that keeps
+        reductions only (its reductions, exactly as a STORE_ALL store holds them, the sample
+        row table and the rows reduced per hook point; no activation row, no token row table:
+        reading rows from it raises :class:`~activationscope.errors.StoreError`). Each commit
+        stores the reductions of its forwards, so ``resume=True`` with the same reductions
+        continues a killed capture (a resume that cannot continue every stored reduction
+        raises StoreError, the store left as it is); several ranks are refused when the
+        tracker attaches. FINAL_ONLY is refused there. With ``store=`` and
+        ``storage=StoragePolicy.CPU`` (or GPU) the store holds every captured row and the
+        policy decides what is kept in memory.
     reductions : list or dict, optional
         Online reductions: a list of specs for every hook point (``["mean", "var"]``, a
         Python function ``(acc: Optional[Tensor], x: Tensor) -> Tensor`` compiled with
@@ -387,8 +400,10 @@ class ActivationScope:
         does not take, or a value of the wrong type (``overwrite`` / ``resume`` / ``fsync``
         not a bool, ``process_group``, ``provenance`` or ``storage_options`` of another type).
     ValueError
-        An unknown policy, side or non-positive ``sample_every`` / ``max_k``; a
-        ``reduction_policy`` other than STORE_ALL with ``storage=StoragePolicy.DISK``; ``sample_every``
+        An unknown policy, side or non-positive ``sample_every`` / ``max_k``;
+        ``reduction_policy=ReductionPolicy.FINAL_ONLY`` with ``storage=StoragePolicy.DISK`` (the
+        default with ``store=``); STREAMING without ``reductions=`` (but for a store capture
+        that also keeps records in memory); ``sample_every``
         (other than 1) or ``max_k`` without the policy that uses it, or that policy without it; a
         ``store_options`` value the writer refuses (``compression``, ``chunk_rows``,
         ``shard_rows``, ...: checked here, before a model runs).
@@ -488,19 +503,24 @@ class ActivationScope:
             raise ArgumentValueError("storage=StoragePolicy.DISK needs store= (a path, URL or zarr store) to write into")
         if store is not None and self.storage is StoragePolicy.AUTO:
             self.storage = StoragePolicy.DISK
-        if self.storage is StoragePolicy.DISK and self.reduction_policy is not ReductionPolicy.STORE_ALL:
+        if self.storage is StoragePolicy.DISK and self.reduction_policy is ReductionPolicy.FINAL_ONLY:
             # (it decides which records stay in memory; a store holds every captured row whatever it says)
             raise ArgumentValueError(
                 f"reduction_policy=ReductionPolicy.{self.reduction_policy.name} decides which activations are kept in "
                 "memory next to the reductions, and a store capture (storage=StoragePolicy.DISK) keeps none there: "
-                "the store would hold every captured row, not only the reductions. To keep only the reductions, "
-                "capture without store= (read tracker.reductions); to store every row with its reductions, leave "
-                "reduction_policy out; to also keep records in memory, pass storage=StoragePolicy.CPU"
+                "the store would hold every captured row, not only the reductions. To keep only the reductions in "
+                "the store, pass reduction_policy=ReductionPolicy.STREAMING with reductions=; to store every row with "
+                "its reductions, leave reduction_policy out; to also keep records in memory, pass "
+                "storage=StoragePolicy.CPU"
             )
-        if self.reduction_policy is ReductionPolicy.STREAMING and store is None and not reductions:
+        if self.reduction_policy is ReductionPolicy.STREAMING and not reductions and (
+                store is None or self.storage is StoragePolicy.DISK):
             raise ArgumentValueError(
                 "reduction_policy=ReductionPolicy.STREAMING keeps only reductions, and none were given, so the "
-                "capture would keep nothing; pass reductions=[...] (e.g. ['mean', 'var']) or store= a path"
+                "capture would keep nothing" + (
+                    f" (a store {str(store)!r} that keeps reductions only would hold no value); pass reductions=[...] "
+                    "(e.g. ['mean', 'var']), or leave reduction_policy out to store every row"
+                    if store is not None else "; pass reductions=[...] (e.g. ['mean', 'var']) or store= a path")
             )
         self.sample_every = sample_every
         self.max_k = max_k
@@ -929,7 +949,12 @@ class Tracker:
         self._dropouts_probed = False
         # Aliases are detected when storing both would duplicate bytes: a store, or in-memory
         # copies (REFERENCE in memory keeps the model's tensor itself: nothing duplicated).
-        self._alias_candidates = scope.storage is StoragePolicy.DISK or (
+        # A store that keeps reductions only (store= with ReductionPolicy.STREAMING, FORMAT.md
+        # section 11): each hook point's rows are reduced and dropped, never stored; the store
+        # holds the reductions, the sample row table and the rows reduced per hook point
+        self._reductions_only = scope.storage is StoragePolicy.DISK and scope.reduction_policy is ReductionPolicy.STREAMING
+        self._reduced_rows: dict[str, int] = {}  # its hook points declared to the writer -> rows of recorded forwards
+        self._alias_candidates = (scope.storage is StoragePolicy.DISK and not self._reductions_only) or (
             scope.capture_mode is CaptureMode.SNAPSHOT and scope.reduction_policy is not ReductionPolicy.STREAMING
         )
         self._installed: list[tuple[torch.nn.Module, Any, Any]] = []
@@ -1201,6 +1226,14 @@ class Tracker:
 
     def _attach(self) -> "Tracker":
         if self.scope.store is not None and self.writer is None:
+            if self._reductions_only and merges_reductions(self.scope.store, self.scope.store_options):
+                raise CaptureError(
+                    "a multi-rank capture (torch.distributed with several ranks, or a RankStore) cannot keep reductions "
+                    "only (store= with reduction_policy=ReductionPolicy.STREAMING): its rank stores are merged from "
+                    "their rows, and such a store keeps none. Capture a store per rank with "
+                    "store_options={'process_group': False} (each rank its own path), or store the rows (leave "
+                    "reduction_policy out); nothing was written"
+                )
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
                 bad = self._red_factories.unmergeable_reductions(self.scope.reductions)
@@ -1218,8 +1251,12 @@ class Tracker:
                     capture_config=self._capture_config(),
                     model=self.model,
                     storage_dtype=self.scope.storage_dtype,
+                    **({"reductions_only": True} if self._reductions_only else {}),
                     **self.scope.store_options,
                 )
+                if self._reductions_only and hasattr(self.writer, "set_reduction_source"):
+                    # every commit stores the states of the forwards it commits: a resume continues them
+                    self.writer.set_reduction_source(self._reduction_states)
             except StoreLockedError as e:  # (held by a tracker of this process that was never closed?)
                 self._note_lock_holder(e)
                 raise
@@ -2104,7 +2141,11 @@ class Tracker:
             return made if made is not None else self._new_sink(renamed, tensor)
 
     def _new_sink(self, name: str, tensor: torch.Tensor) -> Any:
-        if self._stored is not None and name not in self._stored:
+        if self._stored is not None and name not in self._stored and not (
+                # (a store that keeps reductions only lists the hook points it reduces: one no
+                # reduction applies to is captured and kept nowhere)
+                self._reductions_only
+                and not self._red_factories.resolve_reductions(self.scope.reductions, name, self._hook_names)):
             self._refuse([], [name])
         if self.writer is not None and self._n_captured > 0 and name not in self._intermittent:
             warn_at_caller(
@@ -2240,6 +2281,12 @@ class Tracker:
             self._watch_targets.add(target)
             if self.writer is not None:
                 self.writer.add_alias(name, target)
+        elif self.writer is not None and self._reductions_only:
+            if self._reduction_names.get(name):  # (a hook point no reduction applies to is not kept)
+                feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
+                self.writer.open_reduced(name, feature_shape, self._cast_dtype(name, tensor) or tensor.dtype,
+                                         "token" if token else "sample")
+                self._reduced_rows[name] = 0
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
@@ -2260,6 +2307,8 @@ class Tracker:
                 ) from None
         if self.writer is not None and self._reduction_names.get(name):
             self._resume_reductions(name, sink)
+            if name in self._reduced_rows:  # (a resume: its rows reduced so far are the stored ones)
+                self._reduced_rows[name] = self._reduction_base.get(name, 0)
         if self._alias_candidates and target is None and not self._core.in_graph:
             # (not inside a compiled graph: it reuses buffers, so identity means nothing there)
             sink.watch_aliases(True)  # until the end of this forward, or for good once a target
@@ -2569,6 +2618,12 @@ class Tracker:
             custom = ({} if kind in self._red_factories.BUILTIN_REDUCTIONS  # the same program, or recomputed
                       else {"script": getattr(red, "script_bytes", None) or getattr(red, "script_path", None)})
             saved = self.writer.stored_reduction_state(name, red_name, kind, dict(options or {}), **custom)
+            if self._reductions_only and (saved is None or saved[1] != committed):
+                self._refuse_reduced_resume(
+                    f"its reduction {red_name!r} of hook point {name!r} "
+                    + ("has no state this capture's reduction can continue (another kind, other options or another "
+                       "program, or files that fail their checks)" if saved is None else
+                       f"covers {saved[1]} of the {committed} rows it reduced"))
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]
@@ -2599,6 +2654,30 @@ class Tracker:
                         first = end
                 cuts = [e for e in cuts if e > stop]
                 row = stop
+
+    def _refuse_reduced_resume(self, why: str) -> None:
+        """Refuse the resume of a store that keeps reductions only (nothing of this run is
+        committed; the store is left as it was found, at the tracker's close)."""
+        self._refused_error = StoreError
+        self._refused = (
+            f"cannot resume {self.writer.path!r}: {why}. A store that keeps reductions only holds no row to compute a "
+            "reduction again from, so a resume continues every stored reduction from its stored state: resume with "
+            "the same model, reductions= and storage_dtype, or capture again with store_options={'overwrite': True} "
+            "(the store is left as it was)")
+        if self._closed:  # (a resume that captured no forward, refused at its close: nothing to undo)
+            _discard(self.writer, StoreError(self._refused))
+        raise StoreError(self._refused)
+
+    def _check_reductions_continued(self) -> None:
+        """The first forward of the resume of a store that keeps reductions only: every stored
+        reduction of every stored hook point is one of this capture's (a reduction left out
+        would stay over fewer rows than the store counts; one of them, never to be computed)."""
+        stored = getattr(self.writer, "stored_reductions", None) or {}
+        for hp, names in sorted(stored.items()):
+            left = [n for n in names if n not in (self._reduction_names.get(hp) or [])]
+            if left:
+                self._refuse_reduced_resume(f"its reductions {left} of hook point {hp!r} are not among this capture's "
+                                            f"reductions ({self._reduction_names.get(hp) or 'none'})")
 
     def _warn_head_first_found(self) -> None:
         if self._head_first_found:
@@ -2990,6 +3069,8 @@ class Tracker:
             missing = sorted(self._stored.difference(self._sinks).difference(self._intermittent))
             if missing:
                 self._refuse(missing, [])
+            if self._reductions_only:
+                self._check_reductions_continued()
         if self._n_captured == 0:  # the first captured forward gave its hook points
             self._check_reduction_patterns(list(self._sinks), "the first captured forward gave")
             if self.writer is not None or self._reduction_names:
@@ -3031,7 +3112,9 @@ class Tracker:
             self._warn_target_token_rows(batch)
         if self.writer is not None and self.scope.rows == "token":
             self._warn_generation_step(batch)
-        if self.writer is not None:
+        if self.writer is not None and not (self._reductions_only and self._refused is not None):
+            # (a refused resume of a store of reductions only records nothing: its commits would
+            # replace the stored reductions' files, which the store as found lists)
             ids = batch.get("sample_ids")  # None: the writer numbers the samples on from its last
             if ids is None and (self._skipped_samples or self._repeated_samples):
                 # the running counter counts the skipped forwards' samples too (SAMPLE_N), and not
@@ -3057,6 +3140,10 @@ class Tracker:
                 extra["next_id"] = self._next_counted_id() + (0 if batch.get("same_samples") else n)
             if extra:  # (optional keywords: a registered writer of an older protocol takes neither)
                 extra = {k: v for k, v in extra.items() if _takes_keyword(self.writer.add_batch, k)}
+            if self._reductions_only:  # the rows each hook point reduced, from the start of the capture
+                self._reduced_rows = {hp: self._reduction_base.get(hp, 0) + int(self._sinks[hp].n_rows)
+                                      for hp in self._reduced_rows}
+                extra["reduced_rows"] = dict(self._reduced_rows)
             lost = self.writer.add_batch(
                 n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
             )
@@ -3801,6 +3888,9 @@ class Tracker:
         if self._aliases:
             self._core.alias_mismatch()  # the alias checks start again after this partial forward
         partial = self.writer.rows_since_last_batch() if self.writer is not None else {}
+        if self._reductions_only:  # (no array: the rows its hook points reduced since the last recorded forward)
+            partial = {hp: n for hp, last in self._reduced_rows.items() if hp in self._sinks and (
+                n := self._reduction_base.get(hp, 0) + int(self._sinks[hp].n_rows) - last)}
         if not at_exit:  # the warning below says they leave the row table: not warned again
             self._warned_row_table.update(partial)
         where = f"hook points {sorted(partial)} recorded rows of it" if partial else \
@@ -3826,6 +3916,9 @@ class Tracker:
                     CaptureWarning,
                 )
             return
+        elif self._reductions_only:
+            effect = ("Their reductions include that partial forward, and so do the rows the store counts for "
+                      "them (it keeps reductions only).")
         else:
             effect = ("Their records (and streaming reductions) include that partial forward, and in a "
                       "store their rows no longer line up with the sample row table (follows_row_table "
@@ -3958,7 +4051,23 @@ class Tracker:
         """
         return dict(zip(self._reduction_names.get(hook_point, []), self._reduction_objects.get(hook_point, [])))
 
+    def _reduction_states(self) -> list[tuple[str, str, Any, int]]:
+        """``[(hook point, name, reduction, rows)]`` of a capture that keeps reductions only (the
+        source of its writer's commits, ``StoreWriter.set_reduction_source``): each reduction
+        and the rows its state covers, those of the store it resumes included."""
+        out = []
+        for name in self._reduced_rows:
+            sink = self._sinks.get(name)
+            if sink is None:
+                continue
+            covered = self._reduction_base.get(name, 0) + int(sink.n_rows)
+            for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
+                out.append((name, red_name, red, covered))
+        return out
+
     def _write_reductions(self) -> None:
+        if self._reductions_only and hasattr(self.writer, "set_reduction_source"):
+            return  # (the close's commit stores them, with the forwards it commits)
         for name in self._reduction_names:
             sink = self._sinks.get(name)
             covered = self._reduction_base.get(name, 0) + (sink.n_rows if sink is not None else 0)

@@ -115,10 +115,13 @@ class ActivationWriter(Protocol):
         """Leave the store at its last commit (status incomplete); never raises."""
 
 
-#: ``factory(target, *, capture_config, model, storage_dtype, **store_options) -> ActivationWriter``
+#: ``factory(target, *, capture_config, model, storage_dtype, **store_options) -> ActivationWriter``;
+#: a capture that keeps reductions only (``ReductionPolicy.STREAMING`` with ``store=``) also
+#: passes ``reductions_only=True``, and then declares hook points with ``open_reduced`` and gives
+#: ``add_batch(reduced_rows=...)`` (see :class:`activationscope.store.StoreWriter`)
 WriterFactory = Callable[..., ActivationWriter]
 
-_FIXED = ("target", "capture_config", "model", "storage_dtype")
+_FIXED = ("target", "capture_config", "model", "storage_dtype", "reductions_only")
 _factory: WriterFactory | None = None
 
 

@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce", type=_specs, default=None, metavar="NAMES",
                    help="built-in reductions, comma separated, options in brackets, e.g. "
                         "mean,var[ddof=1],nonzero,hist[lo=-4,hi=4,bins=64],topk[k=5]")
+    p.add_argument("--reductions-only", action="store_true",
+                   help="keep only the --reduce reductions (and the sample table) in the store, no activation row: "
+                        "flat memory and disk for statistics over many tokens (--resume of such a store needs it)")
     p.add_argument("--dtype", choices=STORAGE_DTYPES, default=None, help="store floating-point activations as this dtype (integer and bool ones keep theirs)")
     p.add_argument("--compression", choices=COMPRESSIONS, default=None, help="chunk compression (default: none)")
     p.add_argument("--shard-bytes", type=_size, default=None, metavar="BYTES",
@@ -687,7 +690,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,
         exclude_hook_points=_patterns(args.exclude_hook_points, "--exclude-hook-points"),
         labels=args.labels, text_column=args.text_column, label_column=args.label_column,
-        on_start=lambda note: print(f"tracked modules: {note}", flush=True),
+        on_start=lambda note: print(f"tracked modules: {note}", flush=True), reductions_only=args.reductions_only,
     )
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
@@ -701,6 +704,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         f"captured {summary.n_samples} samples ({summary.n_forwards} forward{'' if summary.n_forwards == 1 else 's'}, "
         f"{len(summary.hook_points)} hook point{'' if len(summary.hook_points) == 1 else 's'}) "
         f"in {summary.elapsed_s:.1f} s into {args.out}"
+        + (f" (reductions only: {args.reduce})" if args.reductions_only else "")
     )
     return 0
 
@@ -779,6 +783,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{PROG} verify: note: {args.store} is {store.status} (its capture did not finish, or is running): "
               f"its {store.n_samples} committed samples were checked; `activationscope capture --resume` (or "
               "store_options={'resume': True}) continues a capture that stopped", file=sys.stderr)
+    if not getattr(store, "rows_stored", True):
+        print(f"{args.store}: ok (reductions only: {len(store.hook_points)} hook point"
+              f"{'' if len(store.hook_points) == 1 else 's'} reduced, no activation row stored)")
+        return 0
     print(f"{args.store}: ok")
     return 0
 
@@ -962,6 +970,10 @@ def format_info(info: dict[str, Any], name: str) -> str:
     elif info.get("rank_stores"):
         lines.append(f"ranks:    not committed; the rows of rank stores {info['rank_stores']} (rank by rank), "
                      "no reductions; commit with `activationscope consolidate STORE` once every rank is complete")
+    reductions_only = info.get("rows_stored") is False
+    if reductions_only:
+        lines.append("stores:   reductions only (captured with ReductionPolicy.STREAMING / --reductions-only): the "
+                     "reductions and the sample table, no activation row; rows are the rows reduced")
     if info.get("created"):
         lines.append(f"created:  {info['created']}")
     if info.get("model"):
@@ -970,6 +982,13 @@ def format_info(info: dict[str, Any], name: str) -> str:
     reductions = info.get("reductions") or {}
     head = ("hook point", "kind", "rows", "shape", "dtype", "bytes", "on disk", "data/disk", "reductions")
     rows = []
+    for hp, a in (info.get("reduced") or {}).items() if reductions_only else ():
+        rows.append((
+            _printable(_shown_name(hp)), str(a.get("row_kind", "?")), f"{a.get('n_rows', 0):,}",
+            str(tuple(a.get("feature_shape") or ())), str(a.get("dtype", "?")), "-", "-", "-",
+            _reduction_names(reductions.get(hp, []), (info.get("partial_reductions") or {}).get(hp),
+                             (info.get("refused_reductions") or {}).get(hp) or ()),
+        ))
     for hp, a in arrays.items():
         shape = tuple(a.get("shape", [])[1:])
         ratio = a.get("data_to_disk_ratio")
@@ -1008,18 +1027,22 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append("")
         lines.append("stored once (the same tensor as another hook point at every call):")
         lines.extend(f"  {_shown_name(a)} = {_shown_name(t)}" for a, t in aliases.items())
-    if info.get("status") == "incomplete" and not info.get("n_samples"):
+    if info.get("status") == "incomplete" and not info.get("n_samples") and not reductions_only:
         lines.append("")
         lines.append("no samples committed yet: a commit needs the rows of whole forwards in complete shards of every "
                      "array (capture with a smaller --shard-bytes to commit more often)")
     ratio = info.get("data_to_disk_ratio")
     lines.append("")
-    lines.append(
-        f"total:    {_hook_point_count(len(arrays), len(aliases))}, {format_bytes(info.get('bytes'))} of activations, "
-        f"{format_bytes(info.get('bytes_on_disk'))} on disk"
-        + (f" (data/disk {ratio:.2f}: activation bytes per byte of shard files, which also hold each array's "
-           "full-size last chunk and the shard indexes; not a compression ratio)" if ratio else "")
-    )
+    if reductions_only:
+        n = len(info.get("reduced") or {})
+        lines.append(f"total:    {n} hook point{'' if n == 1 else 's'} reduced, reductions only (no activation row)")
+    else:
+        lines.append(
+            f"total:    {_hook_point_count(len(arrays), len(aliases))}, {format_bytes(info.get('bytes'))} of "
+            f"activations, {format_bytes(info.get('bytes_on_disk'))} on disk"
+            + (f" (data/disk {ratio:.2f}: activation bytes per byte of shard files, which also hold each array's "
+               "full-size last chunk and the shard indexes; not a compression ratio)" if ratio else "")
+        )
     tables = info.get("row_tables") or {}
     if tables:
         columns = info.get("row_table_columns") or {}

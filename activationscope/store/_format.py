@@ -21,8 +21,11 @@ from ..errors import ArgumentTypeError, ArgumentValueError
 
 FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
-#: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 10).
-MAX_READ_VERSION = 2
+#: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 10),
+#: 3 = stores that keep reductions only (FORMAT.md section 11).
+MAX_READ_VERSION = 3
+#: The version of a store that keeps reductions only, no activation rows (FORMAT.md section 11).
+REDUCTIONS_ONLY_VERSION = 3
 ATTRS_KEY = "activationscope"
 
 #: Default sizes: a chunk is about 256 KiB of rows, a shard about 64 MiB but at most

@@ -418,8 +418,9 @@ def builtin_reduction_problems(attrs: dict, *, key: str = "zarr.json") -> dict[s
     c = _EntryChecker(None, key)
     out: dict[str, dict[str, str]] = {}
     arrays, aliases = attrs.get("arrays", {}), attrs.get("aliases") or {}
+    reduced = attrs.get("reduced") or {}  # (a store that keeps reductions only: the reduced rows' shape)
     for hp, entries in attrs.get("reductions", {}).items():
-        meta = arrays.get(aliases.get(hp, hp)) or arrays.get(hp)
+        meta = arrays.get(aliases.get(hp, hp)) or arrays.get(hp) or reduced.get(hp)
         features = meta.get("feature_shape") if isinstance(meta, dict) else None
         kinds = {name: e.get("kind") for name, e in entries.items()
                  if isinstance(e.get("kind"), str) and e["kind"] in BUILTIN_OPTIONS}
@@ -452,6 +453,55 @@ def builtin_reduction_problems(attrs: dict, *, key: str = "zarr.json") -> dict[s
     return out
 
 
+def check_reduced_entry(hp: str, meta: Any, c: _Checker) -> None:
+    """One entry of ``reduced`` (FORMAT.md §11): ``row_kind``, ``feature_shape``, ``dtype`` and
+    ``n_rows`` of a hook point whose rows were reduced and not stored."""
+    f = f"reduced[{hp!r}]"
+    c.dict(meta, f)
+    if meta.get("row_kind") not in ("sample", "token"):
+        raise c.fail(f"{f}.row_kind", "one of ['sample', 'token']", meta.get("row_kind"))
+    if meta.get("dtype") not in F.SUPPORTED_DTYPES:
+        raise c.fail(f"{f}.dtype", f"one of {list(F.SUPPORTED_DTYPES)}", meta.get("dtype"))
+    feat = meta.get("feature_shape")
+    if (not isinstance(feat, list) or len(feat) > MAX_FEATURE_DIMS
+            or not all(_int(d, 0, MAX_ROW_BYTES) for d in feat)):
+        raise c.fail(f"{f}.feature_shape", f"a list of at most {MAX_FEATURE_DIMS} non-negative ints", feat)
+    if row_bytes(meta) > MAX_ROW_BYTES:
+        raise c.fail(f"{f}.feature_shape", f"rows of at most {MAX_ROW_BYTES} bytes", feat)
+    c.int(meta, "n_rows", f"{f}.n_rows")
+
+
+def check_reductions_only(attrs: dict, c: _Checker) -> dict | None:
+    """The fields of a store that keeps reductions only (FORMAT.md §11), checked: its
+    ``reduced`` entries (returned), or None for a store of rows. A root of another version
+    that says it keeps none (``rows_stored`` false, or ``reduced``) is refused: a reader of
+    that version would open it as a store of no rows."""
+    version = attrs["format"]["version"]
+    if version != F.REDUCTIONS_ONLY_VERSION:
+        if "rows_stored" in attrs and attrs["rows_stored"] is not True:
+            raise c.fail("format.version", f"{F.REDUCTIONS_ONLY_VERSION} in a root whose rows_stored is "
+                         f"{attrs['rows_stored']!r} (a store that keeps reductions only, FORMAT.md §11)", version)
+        if "reduced" in attrs:
+            raise c.fail("format.version", f"{F.REDUCTIONS_ONLY_VERSION} in a root with 'reduced' (a store that keeps "
+                         "reductions only, FORMAT.md §11)", version)
+        return None
+    if attrs.get("rows_stored", ...) is not False:
+        raise c.fail("rows_stored", f"false in a root of format version {version} (a store that keeps reductions "
+                     "only)", attrs.get("rows_stored", "no such field"))
+    for name, what in (("arrays", "activation arrays"), ("aliases", "aliases of arrays"),
+                       ("distributed", "a multi-rank record"), ("rank_store", "a rank store record")):
+        if name in attrs:
+            raise c.fail(name, f"absent in a store that keeps reductions only (it has no {what})", attrs[name])
+    tables = attrs.get("row_tables", {})
+    if isinstance(tables, dict) and set(tables) - {"sample"}:
+        raise c.fail("row_tables key", "'sample' only in a store that keeps reductions only (no token table)",
+                     sorted(set(tables) - {"sample"})[0])
+    reduced = c.dict(attrs.get("reduced", ...), "reduced")
+    for hp, meta in reduced.items():
+        check_reduced_entry(hp, meta, c)
+    return reduced
+
+
 def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     """Validate the root metadata (FORMAT.md §2, §9) and return it.
 
@@ -474,8 +524,9 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
     c.int(attrs, "n_samples", "n_samples", default=0)
     c.int(attrs, "n_batches", "n_batches", default=0)
     c.int(attrs, "next_sample_id", "next_sample_id", default=0)  # (absent in stores written before it)
+    reduced = check_reductions_only(attrs, c)
     # absent in a store of nothing yet; present, each is an object (null is not one)
-    if "arrays" not in attrs and attrs.get("n_samples", 0):
+    if "arrays" not in attrs and attrs.get("n_samples", 0) and reduced is None:
         # a root that records samples but no hook point entries lost them (an edited or
         # truncated document): it would open as a store with no rows at all
         raise c.fail("arrays", f"present in a root that records {attrs['n_samples']} samples", "no such field")
@@ -511,6 +562,9 @@ def check_root_attrs(attrs: Any, *, store: Any, key: str = "zarr.json") -> dict:
         raise c.fail("n_samples", f"the sample row table's n_rows ({sample_rows}{listed})", attrs.get("n_samples", 0))
     reductions = c.dict(attrs.get("reductions", {}), "reductions")
     for hp, entries in reductions.items():
+        if reduced is not None and hp not in reduced:  # (its rows, feature shape and dtype are reduced's)
+            raise c.fail(f"reductions[{hp!r}]", "the reductions of a hook point of 'reduced' (a store that keeps "
+                         "reductions only lists each reduced hook point there)", "a hook point 'reduced' lacks")
         for name, e in c.dict(entries, f"reductions[{hp!r}]").items():
             check_reduction_entry(hp, name, e, c)
     for alias, target in c.dict(attrs.get("aliases"), "aliases", optional=True).items():

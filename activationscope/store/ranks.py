@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..capture import _native
-from ..errors import (ArgumentTypeError, ArgumentValueError, CaptureWarning, StoreCorruptError, StoreError,
+from ..errors import (ArgumentTypeError, ArgumentValueError, CaptureError, CaptureWarning, StoreCorruptError, StoreError,
                       StoreExistsError, StoreLockedError, warn_at_caller)
 from . import _format as F
 from . import _validate as V
@@ -1894,6 +1894,10 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
     """
     from .writer import StoreWriter
 
+    if options.get("reductions_only") and _merges_reductions(target, process_group=process_group):
+        raise CaptureError("a multi-rank capture cannot keep reductions only (reductions_only=True): its rank stores "
+                           "are merged from their rows; capture a store per rank with process_group=False, or store "
+                           "the rows; nothing was written")
     session = detect(process_group, target)
     if session is None:
         try:

@@ -827,7 +827,8 @@ class Store:
         if shown is not None and self._root_stamp() != shown:
             return StoreError(
                 f"store at {str(self._backend)!r}: {what}: the store was committed again since it was opened (a "
-                "resumed capture rewrites its reductions); call store.refresh() (or open_store again) to read them"
+                "resumed capture rewrites its reductions, and each commit of a store that keeps reductions only "
+                "writes them anew); call store.refresh() (or open_store again) to read them"
             )
         return V.corrupt(self._backend, what)
 
@@ -857,8 +858,38 @@ class Store:
     @property
     def hook_points(self) -> list[str]:
         """Names of the stored hook points (``acts/<hook point>``) in capture order, then
-        those stored as aliases (:attr:`aliases`)."""
+        those stored as aliases (:attr:`aliases`); in a store that keeps reductions only
+        (:attr:`rows_stored` False), the hook points it reduced (:attr:`reduced`)."""
+        if not self.rows_stored:
+            return list(self._attrs.get("reduced") or {})
         return list(self._attrs.get("arrays", {})) + [a for a in self.aliases if a not in self._attrs.get("arrays", {})]
+
+    @property
+    def rows_stored(self) -> bool:
+        """Whether the store holds activation rows: False for a store that keeps reductions only
+        (captured with ``store=`` and ``reduction_policy=ReductionPolicy.STREAMING``, FORMAT.md
+        section 11), whose readers of rows (``store[hook_point]``, :meth:`rows`, :meth:`n_rows`,
+        :meth:`feature_shape`, :meth:`dtype`, ``ActivationDataset``, ``to_dask``, exports, the
+        report) raise :class:`StoreError`; its :attr:`reductions`, :attr:`reduced`, sample row
+        table, :meth:`info` and :meth:`verify` read as in any store."""
+        return self._attrs.get("rows_stored", True) is not False
+
+    @property
+    def reduced(self) -> dict[str, dict]:
+        """``{hook point: {"row_kind", "feature_shape", "dtype", "n_rows"}}`` of a store that keeps
+        reductions only: the rows each hook point reduced (``n_rows``, those of the committed
+        forwards), their shape and dtype; ``{}`` for a store of rows (see :meth:`n_rows`,
+        :meth:`feature_shape`, :meth:`dtype`). A copy."""
+        return {hp: {**e, "feature_shape": list(e["feature_shape"])}
+                for hp, e in (self._attrs.get("reduced") or {}).items()}
+
+    def _refuse_rows(self, hook_point: str) -> StoreError:
+        """The error of every reader of rows of a store that keeps reductions only."""
+        return StoreError(
+            f"store {str(self._backend)!r} keeps reductions only (captured with store= and "
+            f"reduction_policy=ReductionPolicy.STREAMING): it holds no activation row of hook point "
+            f"{name_repr(hook_point)}. Read its reductions (store.reductions[{hook_point!r}]) and store.reduced; "
+            "to store rows, capture again without reduction_policy")
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -887,7 +918,8 @@ class Store:
         if "n_rows" not in entry:
             return None
         array = self.aliases.get(hook_point, hook_point)
-        stored = int((self._attrs.get("arrays", {}).get(array) or {}).get("n_rows", 0))
+        stored = int((self._attrs.get("arrays", {}).get(array) or (self._attrs.get("reduced") or {}).get(array)
+                      or {}).get("n_rows", 0))
         covered = int(entry["n_rows"])
         return None if covered == stored else (covered, stored)
 
@@ -940,6 +972,8 @@ class Store:
             raise HookPointNotFoundError(f"hook point must be a str, got {hook_point!r}; this store has "
                                          f"{names_repr(self.hook_points)}")
         arrays = self._attrs.get("arrays", {})
+        if not self.rows_stored and hook_point in (self._attrs.get("reduced") or {}):
+            raise self._refuse_rows(hook_point)
         if hook_point not in arrays and hook_point in self.aliases:
             hook_point = self.aliases[hook_point]  # stored once, as its target
         try:
@@ -1031,7 +1065,9 @@ class Store:
         return F.torch_dtype(self._checked_meta(hook_point)["dtype"])
 
     def __contains__(self, hook_point: object) -> bool:
-        """Whether ``hook_point`` is stored."""
+        """Whether ``hook_point`` is stored (or, in a store that keeps reductions only, reduced)."""
+        if not self.rows_stored:
+            return hook_point in (self._attrs.get("reduced") or {})
         return hook_point in self._attrs.get("arrays", {}) or hook_point in self.aliases
 
     def __len__(self) -> int:
@@ -2719,9 +2755,12 @@ class Store:
             doc_key = self._reduction_document(f"{entry['path']}/zarr.json", chosen != key)
             raw_doc = self._backend.get(doc_key)
             doc = None if raw_doc is None else V.loads_json(raw_doc, store=self._backend, key=doc_key)
+            if doc is None:  # (a commit of a store that keeps reductions only since: its files are new ones)
+                raise self._reduction_damage(f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
+                                             "is missing")
             if not isinstance(doc, dict):
                 raise V.corrupt(self._backend, f"reduction {entry.get('reduction')!r}: its array document {doc_key} "
-                                               f"is {'missing' if doc is None else 'not a JSON object'}")
+                                               "is not a JSON object")
             attr = doc.get("attributes")
             attr = attr.get(F.ATTRS_KEY) if isinstance(attr, dict) else None
             said = (doc.get("data_type"), doc.get("shape"),
@@ -3475,6 +3514,9 @@ class Store:
         for arrays much larger than a chunk does it approach the codec's compression ratio.
         ``row_tables`` gives the rows of each row table, ``row_table_columns`` its columns
         (``["sample_id", "pos", "batch", "token_ids"]`` for the token rows of a text capture).
+        ``rows_stored`` is False for a store that keeps reductions only (FORMAT.md section 11):
+        it then has no ``arrays``, and ``reduced`` gives each reduced hook point's
+        ``row_kind``, ``feature_shape``, ``dtype`` and ``n_rows`` (rows reduced).
 
         Every array's entry in the root document is checked against the array's own files
         before it is shown, as before its first read (FORMAT.md section 9 rules 16-17): a root
@@ -3560,6 +3602,9 @@ class Store:
             "format": self._attrs.get("format"),
             "status": self.status,
             "n_samples": self.n_samples,
+            # (False: a store that keeps reductions only, whose reduced hook points are in "reduced")
+            "rows_stored": self.rows_stored,
+            **({} if self.rows_stored else {"reduced": self.reduced}),
             "arrays": arrays,
             "bytes": total_raw,
             "bytes_on_disk": total_disk,

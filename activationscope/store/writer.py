@@ -17,6 +17,7 @@ store appends full chunks to shard files. Python runs once per forward (:meth:`a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import json
 import math
 import operator
 import os
+import re
 import shutil
 import stat
 import sys
@@ -350,6 +352,8 @@ class _Batch:
     token: dict[str, Any] | None
     first_id: int = 0  # the running counter's value before this batch
     next_id: int = 0  # the running counter's value after it (the next counted sample's id)
+    # a store that keeps reductions only: {hook point: rows reduced} after this batch
+    reduced: dict = field(default_factory=dict)
 
 
 def _row_pieces(batches: list[_Batch], kind: str, keep_empty: bool = False) -> list[dict[str, Any]]:
@@ -895,6 +899,32 @@ def _write_small_array(backend: Any, path: str, t: torch.Tensor, attrs: dict,
     return {key: F.crc32c(data)}
 
 
+#: A store that keeps reductions only commits at most once per this many times the seconds its
+#: last commit took to write the reductions' states (StoreWriter._due_interval): about 10% of the time.
+STATE_WRITE_SHARE = 10.0
+
+#: The folder, in a hook point's reduction folder, of the reduction files one commit of a store
+#: that keeps reductions only writes (FORMAT.md section 11): ``__c<batches>-<8 hex digits>``. A
+#: reduction's name never starts with ``__`` (FORMAT.md section 6), so none is ever one.
+_COMMIT_FOLDER = re.compile(r"__c[0-9]+-[0-9a-f]{8}")
+
+
+def _commit_folders(reductions: Mapping[str, Any]) -> set[str]:
+    """``reductions/<node>/__c...`` folders that the entries of ``reductions`` (a root's) list."""
+    out = set()
+    for entries in reductions.values():
+        for e in (entries or {}).values() if isinstance(entries, Mapping) else ():
+            if not isinstance(e, Mapping):
+                continue
+            paths = [e.get("path"), e.get("script")] + [p.get("path") for p in (e.get("state") or {}).values()
+                                                         if isinstance(p, Mapping)]
+            for path in paths:
+                parts = path.split("/") if isinstance(path, str) else []
+                if len(parts) >= 4 and parts[0] == "reductions" and _COMMIT_FOLDER.fullmatch(parts[2]):
+                    out.add("/".join(parts[:3]))
+    return out
+
+
 def _link_or_copy(path: Path, keep: Path) -> None:
     """Make ``keep`` a hard link to ``path`` (a copy on a file system without hard links: some
     network and FUSE mounts), replacing any ``keep``; OSError with no ``keep`` left otherwise."""
@@ -983,7 +1013,10 @@ class StoreWriter:
         every shard of its array, the root every part), :meth:`maybe_commit` also waits until
         they are within ``DOCUMENT_SHARE`` (25%) of the bytes captured, or
         ``DOCUMENT_MAX_WAIT_S`` (60 s) passed since the last commit: a long capture commits less
-        often, so that what its commits write grows with its rows, not with their square.
+        often, so that what its commits write grows with its rows, not with their square. A
+        store that keeps reductions only writes every reduction's state at each commit: it
+        commits at most once per ``STATE_WRITE_SHARE`` (10) times the seconds its last commit
+        took to write them.
     max_pending_bytes : int, default 256 MiB
         Cap of the chunks queued for the writer thread, all arrays together; a full queue
         blocks the capture (backpressure).
@@ -993,6 +1026,16 @@ class StoreWriter:
         (the history of the runs that wrote the store), see :func:`resumed_provenance`.
     storage_options : dict, optional
         fsspec options of a URL target (credentials, ``client_kwargs``).
+    reductions_only : bool, default False
+        A store that keeps reductions only (``store/FORMAT.md`` section 11, format version 3):
+        no activation array, no token row table. Hook points are declared with
+        :meth:`open_reduced` instead of :meth:`open_array`, each recorded forward gives its
+        rows reduced per hook point (``add_batch(reduced_rows=...)``), and
+        :meth:`add_reductions` stores the reductions, or, with :meth:`set_reduction_source`,
+        every commit stores the states of the committed forwards. Made by
+        ``ActivationScope(store=..., reduction_policy=ReductionPolicy.STREAMING)``. Only such a
+        writer resumes such a store, and it resumes no store of rows (:class:`StoreError`
+        before anything is changed).
 
     Notes
     -----
@@ -1088,8 +1131,12 @@ class StoreWriter:
         max_pending_bytes: int = 256 << 20,
         provenance: Mapping[str, Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        reductions_only: bool = False,
     ) -> None:
         _native.load()  # writing needs the native extension (reading does not): say so first
+        self.reductions_only = F.parse_flag(reductions_only, "reductions_only")
+        if self.reductions_only:
+            self.supports_aliases = False  # (no array for an alias to share)
         # ---- validate everything before the first byte is written
         opts = StoreWriter.check_options(
             overwrite=overwrite, resume=resume, compression=compression, chunk_rows=chunk_rows,
@@ -1259,6 +1306,7 @@ class StoreWriter:
                         f"{self._backend!r} is a Zarr node but not an activationscope store; it cannot be resumed "
                         "(pass overwrite=True to replace it)"
                     )
+                self._refuse_reductions_only_resume(ours)
                 refused = V.builtin_reduction_problems(ours)
                 for hp, problems in refused.items():  # (its readers refuse it: never carried on, never continued)
                     name, problem = next(iter(problems.items()))
@@ -1284,6 +1332,22 @@ class StoreWriter:
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
             )
+
+    def _refuse_reductions_only_resume(self, ours: Mapping[str, Any]) -> None:
+        """Resume: refuse, before anything is changed, a store that keeps reductions only, or a
+        capture that keeps reductions only into a store of rows (FORMAT.md section 11)."""
+        stored_only = ours.get("rows_stored") is False
+        if stored_only == self.reductions_only:
+            return
+        if stored_only:
+            why = ("it keeps reductions only (captured with ReductionPolicy.STREAMING), and this capture stores "
+                   "activation rows: one store cannot hold both (resume it with reduction_policy="
+                   "ReductionPolicy.STREAMING and the same reductions=)")
+        else:
+            why = ("it stores activation rows, and this capture keeps reductions only (ReductionPolicy.STREAMING): "
+                   "one store cannot hold both")
+        raise StoreError(f"cannot resume {str(self._backend)!r}: {why}; nothing was changed. Capture again with "
+                         "store_options={'overwrite': True} (CLI: --overwrite), or into another path")
 
     def _refuse_unwritable_folder(self) -> None:
         """Resume of a local store: refuse, before anything is deleted or written, a store with
@@ -1391,9 +1455,20 @@ class StoreWriter:
         # so that discard() puts the store back as found (see _put_back_found_files)
         self._found_files: dict[str, bytes | None] | None = {} if self._found_root is not None else None
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
-            "sample": {"parts": [], "n_rows": 0, "columns": []},
-            "token": {"parts": [], "n_rows": 0, "columns": []},
-        }))
+            kind: {"parts": [], "n_rows": 0, "columns": []} for kind in self._row_kinds}))
+        # a store that keeps reductions only: {hook point: {"row_kind", "feature_shape", "dtype",
+        # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
+        # listed from the batch that records the forward each was first seen in
+        self._reduced: dict[str, dict] = {hp: dict(e) for hp, e in (st.get("reduced") or {}).items()}
+        self._unrecorded_reduced: list[str] = []
+        self._declared: set[str] = set()  # (open_reduced by this writer)
+        # with set_reduction_source: where each commit takes the reductions' states from, the
+        # folders of the reduction files the last root lists (per commit: FORMAT.md section 11),
+        # and the reduction groups written so far
+        self._reduction_source: Any = None
+        self._state_write_s = 0.0  # (seconds the last commit took to write them: _due_interval)
+        self._listed_commit_folders: set[str] = _commit_folders(st.get("reductions") or {})
+        self._reduction_groups: set[str] = set()
         # (row kind, column) -> Arrow type of a user column: one type per column of a store
         self._column_types: dict[tuple[str, str], Any] = {}
         if self._state is not None:
@@ -1404,16 +1479,22 @@ class StoreWriter:
         self._old_reductions: dict = dict(st.get("reductions") or {})
         self.aliases: dict[str, str] = dict(st.get("aliases") or {})
         #: Hook points the store held when this writer opened (arrays and aliases; resume).
-        self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases))
+        self.stored_hook_points: list[str] = sorted(set(self._old_arrays) | set(self.aliases) | set(self._reduced))
         #: Those whose rows no longer follow the row table (a module not called in every forward).
         self.stored_intermittent: list[str] = sorted(
             hp for hp in self.stored_hook_points
             if not (self._old_arrays.get(self.aliases.get(hp, hp)) or {}).get("follows_row_table", True))
+        #: ``{hook point: [reduction names]}`` the store held when this writer opened (resume).
+        self.stored_reductions: dict[str, list[str]] = {
+            hp: sorted({e.get("reduction") for e in entries.values() if isinstance(e, dict)
+                        and isinstance(e.get("reduction"), str)}) for hp, entries in self._old_reductions.items()}
         #: The capture_config the store recorded when this writer opened (resume; empty otherwise).
         config = st.get("capture_config")
         self.stored_capture_config: dict = dict(config) if isinstance(config, dict) else {}
         if self._state is not None:
             self._truncate_to_committed()
+            if self.reductions_only:
+                self._remove_unlisted_commit_folders()
         # the running counter of default sample ids, as the committed batches left it
         self._committed_next_id = self._stored_next_id(st)
         # the first byte: the root document (status incomplete). An overwrite on object storage writes
@@ -1421,7 +1502,14 @@ class StoreWriter:
         # replaced before any of its objects goes or one of this run's is written (FORMAT.md section 7),
         # and one killed in between leaves a new store with no rows (a resume removes the old arrays)
         write_root_first(self._backend, self._root_attrs("incomplete"), replacing=self._replacing)
-        self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+        if not self.reductions_only:  # (no array: no acts/ group)
+            self._backend.set("acts/zarr.json", F.dumps(F.group_document()))
+
+    @property
+    def _row_kinds(self) -> tuple[str, ...]:
+        """The row tables this store holds: a store that keeps reductions only has no token
+        table (one row per token of a large capture would be most of its bytes)."""
+        return ("sample",) if self.reductions_only else ROW_KINDS
 
     def _load_column_types(self) -> None:
         """Types of the user columns already stored (resume): from each kind's first part."""
@@ -1595,18 +1683,26 @@ class StoreWriter:
         with self._lock:
             self._user_columns(columns, mask, None)
 
-    def _root_attrs(self, status: str) -> dict:
-        arrays = dict(self._old_arrays)
-        for hp, a in self._arrays.items():
-            if a.recorded:
-                arrays[hp] = a.meta()
+    def _root_reductions(self) -> dict:
+        """The root's ``reductions``: the stored ones, each replaced by this run's of its name."""
         reductions = {hp: dict(entries) for hp, entries in self._old_reductions.items()}
         for hp, entries in self._reductions.items():  # per name: a reduction not continued stays (as partial)
             names = {e.get("reduction") for e in entries.values()}
             kept = {k: e for k, e in reductions.get(hp, {}).items() if e.get("reduction") not in names}
             reductions[hp] = {**kept, **entries}  # a rewritten reduction keeps none of its old keys
+        return reductions
+
+    def _root_attrs(self, status: str) -> dict:
+        arrays = dict(self._old_arrays)
+        for hp, a in self._arrays.items():
+            if a.recorded:
+                arrays[hp] = a.meta()
+        reductions = self._root_reductions()
+        # a store that keeps reductions only: version 3, rows_stored and reduced in place of arrays and
+        # aliases (FORMAT.md section 11: a version 2 reader refuses it, never reads it as a store of no rows)
+        only = self.reductions_only
         return {
-            "format": {"name": F.FORMAT_NAME, "version": F.FORMAT_VERSION},
+            "format": {"name": F.FORMAT_NAME, "version": F.REDUCTIONS_ONLY_VERSION if only else F.FORMAT_VERSION},
             "status": status,
             "created": self._created,
             "run_id": self._run_id,
@@ -1619,10 +1715,12 @@ class StoreWriter:
             "n_samples": self.n_samples_committed,
             "n_batches": self._n_batches,
             "next_sample_id": self._committed_next_id,
-            "arrays": arrays,
+            **({"rows_stored": False} if only else {"arrays": arrays}),
             "row_tables": self._row_tables,
             "reductions": reductions,
-            "aliases": {hp: t for hp, t in self.aliases.items() if hp not in self._unrecorded_aliases},
+            **({"reduced": {hp: dict(e) for hp, e in self._reduced.items() if hp not in self._unrecorded_reduced}}
+               if only else
+               {"aliases": {hp: t for hp, t in self.aliases.items() if hp not in self._unrecorded_aliases}}),
             **({"rank_store": dict(self.rank_store)} if self.rank_store else {}),
         }
 
@@ -2053,6 +2151,9 @@ class StoreWriter:
         """
         self._refuse_other_process("a hook point opened")
         self._refuse_if_lost()
+        if self.reductions_only:
+            raise StoreError(f"hook point {hook_point!r}: the store writer of {str(self._backend)!r} keeps reductions "
+                             "only (reductions_only=True) and opens no array; declare the hook point with open_reduced")
         with self._lock:
             if self._closed:
                 raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
@@ -2151,6 +2252,65 @@ class StoreWriter:
                 self._unrecorded.append(arr)
             self._reserve([f"{arr.path}/zarr.json", f"{arr.path}/manifest.json"])
             return writer
+
+    def open_reduced(self, hook_point: str, feature_shape: tuple, dtype: torch.dtype, row_kind: str) -> None:
+        """Declare a hook point whose rows are reduced, not stored (a writer made with
+        ``reductions_only=True``): listed under ``reduced`` of the root (FORMAT.md section 11) from
+        the :meth:`add_batch` that records the forward it was first seen in, with the rows
+        reduced that ``add_batch(reduced_rows=...)`` gives; one whose forward is never recorded
+        is never listed (:attr:`unrecorded_hook_points`).
+
+        Parameters
+        ----------
+        hook_point : str
+        feature_shape : tuple of int
+            Shape of one row.
+        dtype : torch.dtype
+            Dtype of the rows reduced (after ``storage_dtype``).
+        row_kind : {"sample", "token"}
+
+        Raises
+        ------
+        StoreError
+            The writer is closed, it stores rows (``reductions_only`` False), or the hook point
+            was declared before.
+        ValueError
+            Unsupported dtype, invalid feature shape or row kind.
+        """
+        self._refuse_other_process("a hook point opened")
+        self._refuse_if_lost()
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the store writer of {str(self._backend)!r} is closed")
+            if not self.reductions_only:
+                raise StoreError(f"hook point {hook_point!r}: the store writer of {str(self._backend)!r} stores rows; "
+                                 "open_reduced is for a writer made with reductions_only=True (use open_array)")
+            if hook_point in self._declared:
+                raise StoreError(f"hook point {hook_point!r} was already declared in this store writer")
+            name = F.parse_dtype(dtype, f"dtype of hook point {hook_point!r}")
+            if row_kind not in ROW_KINDS:
+                raise ArgumentValueError(f"row_kind must be one of {list(ROW_KINDS)}, got {row_kind!r}")
+            feature_shape = tuple(int(d) for d in feature_shape)
+            if any(d < 0 for d in feature_shape):
+                raise ArgumentValueError(f"feature_shape of hook point {hook_point!r} must be non-negative, got {feature_shape}")
+            if math.prod(feature_shape) * F.itemsize(name) > V.MAX_ROW_BYTES:
+                raise ArgumentValueError(f"hook point {hook_point!r}: rows of feature shape {feature_shape} ({name}) hold "
+                                         f"more than {V.MAX_ROW_BYTES} bytes, which a store cannot describe")
+            self._declared.add(hook_point)
+            old = self._reduced.get(hook_point)
+            if old is not None:  # (a resume: the stored hook point's rows)
+                got = (list(feature_shape), name, row_kind)
+                want = (list(old["feature_shape"]), old["dtype"], old["row_kind"])
+                if got != want:
+                    raise StoreError(
+                        f"hook point {hook_point!r} has feature shape {got[0]}, dtype {got[1]}, {got[2]} rows, but the "
+                        f"store {str(self._backend)!r} reduced rows of feature shape {want[0]}, dtype {want[1]}, "
+                        f"{want[2]} rows; resume with the same model, storage_dtype and rows, or capture again with "
+                        "overwrite=True")
+                return
+            self._reduced[hook_point] = {"row_kind": row_kind, "feature_shape": list(feature_shape), "dtype": name,
+                                         "n_rows": 0}
+            self._unrecorded_reduced.append(hook_point)
 
     def _refuse_folded_node(self, hook_point: str, node: str) -> None:
         """A new hook point whose node name equals another array's of this store but for case
@@ -2487,7 +2647,8 @@ class StoreWriter:
 
     def add_batch(self, n_samples: int, sample_ids: Any = None, token_mask: torch.Tensor | None = None,
                   columns: Mapping[str, Any] | None = None, described_again: bool = False,
-                  next_id: int | None = None) -> dict[str, tuple[int, int]]:
+                  next_id: int | None = None, reduced_rows: Mapping[str, int] | None = None
+                  ) -> dict[str, tuple[int, int]]:
         """Record one captured forward: its samples, token rows and user columns.
 
         Parameters
@@ -2512,6 +2673,12 @@ class StoreWriter:
             before (a generation step) leaves it where it was; one after samples a capture
             policy skipped counts those too. The store records it at each commit, and a resume
             continues from it.
+        reduced_rows : dict of str to int, optional
+            A writer that keeps reductions only (``reductions_only=True``; required there,
+            refused elsewhere): ``{hook point: rows}``, the rows reduced of each hook point
+            declared with :meth:`open_reduced` after this batch, counted from the start of the
+            capture (never going back). The token mask then only counts; no token row table is
+            kept, nor per-token columns.
 
         Returns
         -------
@@ -2543,8 +2710,11 @@ class StoreWriter:
                     f"next_id must be at least next_sample_id {self.next_sample_id} (the running counter never goes "
                     f"back: the default ids below it are taken), got {next_id!r}; pass next_sample_id for a batch of "
                     "samples counted before")
+            reduced = self._check_reduced_rows(reduced_rows)
+            if self.reductions_only:
+                token_mask = None if not columns else token_mask  # (it only tells per-token columns, not kept)
             if sample_ids is None and token_mask is None and not columns and n <= _DEFERRED_IDS_MAX:
-                return self._add_plain_batch(n, next_id)
+                return self._add_plain_batch(n, next_id, reduced)
             if sample_ids is None:
                 start = self.next_sample_id
                 ids: Any = np.arange(start, start + n, dtype=np.int64)
@@ -2561,12 +2731,15 @@ class StoreWriter:
                 mask = token_mask.detach().to("cpu").to(torch.bool)
                 if mask.dim() != 2 or mask.shape[0] != n:
                     raise ArgumentValueError(f"token_mask must be (batch={n}, pos), got {tuple(mask.shape)}")
+            if mask is not None and not self.reductions_only:
                 idx = mask.nonzero()
                 si, pos = idx[:, 0].numpy(), idx[:, 1].numpy()
                 ids_arr = np.asarray(ids, dtype=object if not isinstance(ids, np.ndarray) else None)
                 token = {"sample_id": ids_arr[si], "pos": pos.astype(np.int64), "batch": np.full(len(si), b, dtype=np.int64)}
             # checked (names, lengths, one type per column) before anything is recorded
             for kind, key, values, typ in self._user_columns(columns, mask, n):
+                if kind == "token" and self.reductions_only:
+                    continue  # (no token row table)
                 (token if kind == "token" else sample)[key] = values
                 if typ is not None:  # a column of Nones so far: its type comes with its first values
                     self._column_types[(kind, key)] = typ
@@ -2576,7 +2749,33 @@ class StoreWriter:
                 self._default_ids(int(ids[0]) if n else 0, n)
             elif not described_again:
                 self._check_ids(ids)
-            return self._record(n, sample, token, next_id)
+            return self._record(n, sample, token, next_id, reduced)
+
+    def _check_reduced_rows(self, reduced_rows: Any) -> dict[str, int] | None:
+        """:meth:`add_batch`'s ``reduced_rows``, checked: given exactly to a writer that keeps
+        reductions only, of hook points :meth:`open_reduced` declared, counts that never go back."""
+        if not self.reductions_only:
+            if reduced_rows is not None:
+                raise ArgumentValueError("reduced_rows is for a store writer that keeps reductions only "
+                                         "(reductions_only=True); this one stores rows")
+            return None
+        if not isinstance(reduced_rows, Mapping):
+            raise ArgumentTypeError("reduced_rows must be a dict {hook point: rows reduced} in a store writer that "
+                                    f"keeps reductions only, got {type(reduced_rows).__name__}")
+        out: dict[str, int] = {}
+        for hp, rows in reduced_rows.items():
+            if hp not in self._reduced:
+                raise ArgumentValueError(f"reduced_rows names hook point {hp!r}, which open_reduced did not declare")
+            if not (isinstance(rows, (int, np.integer)) and not isinstance(rows, bool) and 0 <= rows <= V.MAX_ROWS):
+                raise ArgumentValueError(f"reduced_rows[{hp!r}] must be an int in 0..{V.MAX_ROWS}, got {rows!r}")
+            last = self._pending[-1].reduced.get(hp, 0) if self._pending else self._reduced[hp]["n_rows"]
+            if rows < last:
+                raise ArgumentValueError(f"reduced_rows[{hp!r}] counts rows from the start of the capture and never "
+                                         f"goes back: {last} before, got {rows}")
+            out[hp] = int(rows)
+        if self._pending:  # (a hook point this forward did not reach keeps its count)
+            out = {**self._pending[-1].reduced, **out}
+        return out
 
     def _default_ids(self, start: int, n: int) -> None:
         """Default ids ``start .. start + n - 1`` recorded: noted while ids are checked (once
@@ -2634,7 +2833,8 @@ class StoreWriter:
             "store picks the rows of every sample with that id. Warned once per capture",
             CaptureWarning)
 
-    def _add_plain_batch(self, n: int, next_id: int | None = None) -> dict[str, tuple[int, int]]:
+    def _add_plain_batch(self, n: int, next_id: int | None = None, reduced: dict[str, int] | None = None
+                         ) -> dict[str, tuple[int, int]]:
         """:meth:`add_batch` of a forward with default sample ids, no token rows and no
         columns (the common one, after every forward: kept short). Its row-table rows are made
         at the commit (:func:`_row_pieces`)."""
@@ -2644,10 +2844,10 @@ class StoreWriter:
         if self._column_types.get(key) is not _int64_ids_type():
             # default ids are int64: refused after ids of another type, as add_batch does
             self._column_types[key] = self._sample_ids_type(_EMPTY_IDS)
-        return self._record(n, None, None, next_id)
+        return self._record(n, None, None, next_id, reduced)
 
     def _record(self, n: int, sample: dict[str, Any] | None, token: dict[str, Any] | None,
-                next_id: int | None = None) -> dict[str, tuple[int, int]]:
+                next_id: int | None = None, reduced: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
         """Record a checked batch of ``n`` samples (``sample`` None: default ids, made at the
         commit; ``next_id``: the running counter after it, default its samples counted);
         returns :meth:`add_batch`'s arrays that stopped following the row table."""
@@ -2668,9 +2868,12 @@ class StoreWriter:
             self._unrecorded = []
             self._unrecorded_aliases = set()
             self._unpublished = True
+        if self._unrecorded_reduced and reduced is not None:
+            self._unrecorded_reduced = [hp for hp in self._unrecorded_reduced if hp not in reduced]
+            self._unpublished = True
         first_id = self.next_sample_id
         self._pending.append(_Batch(self._n_batches + len(self._pending), n, cums, sample, token, first_id,
-                                    first_id + n if next_id is None else int(next_id)))
+                                    first_id + n if next_id is None else int(next_id), reduced or {}))
         self._pending_samples += n
         return lost
 
@@ -2773,11 +2976,11 @@ class StoreWriter:
         self._refuse_other_process("a commit")
         self._raise_if_failed()
         version = self._core.durable_version
-        if version == self._seen_version and not self._unpublished:
-            return False
+        if version == self._seen_version and not self._unpublished and not (self.reductions_only and self._pending):
+            return False  # (a store of reductions only has no shard to wait for: every recorded forward is due)
         if not self._unpublished:
             waited = time.monotonic() - self._last_commit
-            if waited < self._commit_interval:
+            if waited < self._due_interval():
                 return False
             if waited < DOCUMENT_MAX_WAIT_S and self._document_bytes > DOCUMENT_ALLOWANCE_BYTES:
                 # (a long capture: each commit rewrites documents as large as the run is long)
@@ -2785,6 +2988,15 @@ class StoreWriter:
                 if self._document_bytes > DOCUMENT_ALLOWANCE_BYTES + DOCUMENT_SHARE * appended:
                     return False
         return self.commit()
+
+    def _due_interval(self) -> float:
+        """Seconds between two commits of :meth:`maybe_commit`: ``commit_interval``; with
+        :meth:`set_reduction_source`, also at least ``STATE_WRITE_SHARE`` times the time the last
+        commit took to write the reductions' states (a ``cov`` of wide rows is megabytes a
+        commit), so that writing them stays a small share of the capture's time."""
+        if self._reduction_source is None:
+            return self._commit_interval
+        return max(self._commit_interval, STATE_WRITE_SHARE * self._state_write_s)
 
     def commit(self) -> bool:
         """Commit now the rows the writer thread made durable (whole shards), whatever
@@ -2854,6 +3066,9 @@ class StoreWriter:
                 break
         if k < len(self._pending) and not self._closed:
             self._request_partial_shards(durable)
+        live = None
+        if self._reduction_source is not None and (k > 0 or force):
+            live, k = self._reduction_states_due(k, status)
         if k == 0 and not force and not self._unpublished:
             return False  # (the shards taken above stay in the store, noted in _found_files)
         # the rewrites of shards whose key may hold committed rows (the partial last shard of a
@@ -2870,7 +3085,7 @@ class StoreWriter:
         before = {kind: (len(t.get("parts", [])), t.get("n_rows", 0), len(t.get("columns", [])))
                   for kind, t in self._row_tables.items()}
         try:
-            for kind in ROW_KINDS:
+            for kind in self._row_kinds:
                 pieces = _row_pieces(batches, kind)
                 table = self._row_tables.get(kind) or {}
                 if not pieces and not table.get("parts"):
@@ -2897,6 +3112,8 @@ class StoreWriter:
             self.n_samples_committed += x.n_samples
             self._n_batches += 1
             self._committed_next_id = x.next_id
+            for hp, rows in x.reduced.items():
+                self._reduced[hp]["n_rows"] = rows
         # 3. manifests and array documents (independent objects: written concurrently)
         writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
@@ -2926,11 +3143,15 @@ class StoreWriter:
             a.manifest_dirty = False
             if a.committed_rows > 0 or force:
                 a.doc_rows = a.committed_rows
+        if live:  # (a store that keeps reductions only: the states of the committed forwards, new files)
+            self._write_commit_reductions(live)
         # 4. the root, last
         # (new arrays are listed, with their committed 0 rows, before their first shard)
         root = F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)}))
         b.set("zarr.json", root)
         self._document_bytes += len(root)
+        if self._reduction_source is not None:
+            self._drop_unlisted_commit_folders()
         self._root_n_samples = self.n_samples_committed
         self._unpublished = False
         self._drop_installed_kept_shards()  # the root lists the rewrites now: the committed files go
@@ -2941,6 +3162,99 @@ class StoreWriter:
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def set_reduction_source(self, source: Any) -> None:
+        """A writer that keeps reductions only: make every commit store the reductions of the
+        forwards it commits (FORMAT.md section 11), so that a capture killed at any point leaves
+        a store whose reductions cover exactly its committed forwards, which a resume continues.
+
+        Parameters
+        ----------
+        source : callable
+            ``source() -> [(hook point, name, reduction, rows)]``: each reduction of a hook
+            point declared with :meth:`open_reduced` (an object with ``result()``, ``state()``
+            and ``kind``, as :meth:`add_reductions` takes) and the rows its state covers, from
+            the start of the capture. Called by each commit, in the thread that commits (after
+            a forward, or the close); a commit stores a reduction only while its rows are those
+            the committed forwards reduced (``add_batch(reduced_rows=...)``).
+
+        Raises
+        ------
+        StoreError
+            The writer stores rows (``reductions_only`` False).
+        """
+        if not self.reductions_only:
+            raise StoreError(f"the store writer of {str(self._backend)!r} stores rows; set_reduction_source is for a "
+                             "writer made with reductions_only=True")
+        self._reduction_source = source
+
+    def _reduction_states_due(self, k: int, status: str) -> tuple[list, int]:
+        """Commit of a store that keeps reductions only: the reductions to store with the ``k``
+        forwards it would commit, and how many forwards it commits. Each reduction's state must
+        cover exactly the rows of those forwards: after a forward, it does. A close after a
+        failure (status incomplete) whose states cover more (a forward cut short by the error)
+        commits no new forward, so that the store ends at its last commit with states that a
+        resume continues; a close with status complete stores them as they are (partial, as
+        readers show them)."""
+        live = [x for x in self._reduction_source()
+                if x[0] in self._reduced and x[0] not in self._unrecorded_reduced]  # (never recorded: never listed)
+        target = dict(self._reduced_counts())
+        if k:
+            target.update(self._pending[k - 1].reduced)
+        exact = all(int(rows) == target.get(hp) for hp, _n, _r, rows in live)
+        if not exact and self._closed and status == "incomplete":
+            return [], 0
+        if not exact and not self._closed:
+            # (a commit between a forward cut short and the next forward: the states wait for it)
+            live = [x for x in live if int(x[3]) == target.get(x[0])]
+        return live, k
+
+    def _reduced_counts(self) -> dict[str, int]:
+        return {hp: int(e["n_rows"]) for hp, e in self._reduced.items()}
+
+    def _write_commit_reductions(self, live: list) -> None:
+        """Store ``live`` (:meth:`set_reduction_source`) under a new folder
+        ``reductions/<node>/__c<batches>-<hex>/`` of each hook point: the root written next
+        lists them, and the folders the root listed before are removed after it
+        (:meth:`_drop_unlisted_commit_folders`), so that a commit killed at any point leaves the
+        store as one root lists it."""
+        tag = f"__c{self._n_batches}-{uuid.uuid4().hex[:8]}/"
+        t0 = time.monotonic()
+        for hp, name, reduction, rows in live:
+            self._refuse_reduction_name(hp, name)
+            self._add_reductions(hp, name, reduction, None, int(rows), folder=tag)
+        self._state_write_s = time.monotonic() - t0
+
+    def _drop_unlisted_commit_folders(self) -> None:
+        """After a root: remove the reduction folders of earlier commits that it no longer lists."""
+        listed = _commit_folders(self._root_reductions())
+        for folder in sorted(self._listed_commit_folders - listed):
+            self._remove_commit_folder(folder)
+        self._listed_commit_folders = listed
+
+    def _remove_unlisted_commit_folders(self) -> None:
+        """Resume of a store that keeps reductions only: remove the reduction folders of commits
+        that no root lists (a capture killed between writing them and its root, or before it
+        removed those of its previous commit), before anything is written."""
+        listed = _commit_folders(self._old_reductions)
+        found = set()
+        for key in self._backend.list("reductions/"):
+            parts = key.split("/")
+            if len(parts) >= 4 and _COMMIT_FOLDER.fullmatch(parts[2]):
+                found.add("/".join(parts[:3]))
+        for folder in sorted(found - listed):
+            self._remove_commit_folder(folder)
+
+    def _remove_commit_folder(self, folder: str) -> None:
+        """Delete every file under ``folder`` (and, in a local store, its emptied folders)."""
+        for key in list(self._backend.list(folder + "/")):
+            self._backend.delete(key)
+        if isinstance(self._backend, LocalBackend):
+            top = self._backend.root / folder
+            if os.path.isdir(top) and not os.path.islink(top):
+                for dirpath, _dirs, _files in os.walk(top, topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(dirpath)
 
     def _list_shard(self, a: _Array, rec: Mapping[str, Any]) -> None:
         """Commit, step 1: list the shard ``rec`` the writer thread finished for ``a`` in its
@@ -3010,7 +3324,8 @@ class StoreWriter:
         forward refused or raised partway. No root lists them; once the writer is closed,
         none ever will (their files are removed by the close)."""
         with self._lock:
-            return [a.hook_point for a in self._unrecorded] + sorted(self._unrecorded_aliases)
+            return ([a.hook_point for a in self._unrecorded] + sorted(self._unrecorded_aliases)
+                    + list(self._unrecorded_reduced))
 
     def _listed_shards(self, a: _Array) -> int:
         """Shards of ``a`` that the store as found lists (those holding its committed rows)."""
@@ -3256,7 +3571,10 @@ class StoreWriter:
                 "be overwritten by an array of the other; give it another name with (name, spec)")
 
     def _add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None,
-                        n_rows: int | None) -> None:
+                        n_rows: int | None, folder: str = "") -> None:
+        """``folder``: a commit's folder (``__c<batches>-<hex>/``) in the hook point's reduction
+        folder, where a store that keeps reductions only writes each commit's files: never a
+        committed file, so none is kept or removed here (:meth:`_drop_unlisted_commit_folders`)."""
         with self._lock:
             self._check_still_held()
             result = reduction.result()
@@ -3288,21 +3606,30 @@ class StoreWriter:
             if state and result:
                 planned.update({f"reductions/{node}/{name}.state.{key}": tuple(torch.as_tensor(v).shape)
                                 for key, v in state.items()})
-            self._keep_committed_reduction(hook_point, name)
-            self._drop_old_reduction(hook_point, name, planned)
-            self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
-            self._backend.set(f"reductions/{node}/zarr.json", F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
+            if not folder:
+                self._keep_committed_reduction(hook_point, name)
+                self._drop_old_reduction(hook_point, name, planned)
+            else:  # (the entries of this reduction from an earlier commit: replaced as a whole)
+                for old in [k for k, e in entries.items() if e.get("reduction") == name]:
+                    del entries[old]
+            if node not in self._reduction_groups:  # (once per writer: a commit rewrites none)
+                self._backend.set("reductions/zarr.json", F.dumps(F.group_document()))
+                self._backend.set(f"reductions/{node}/zarr.json",
+                                  F.dumps(F.group_document({F.ATTRS_KEY: {"hook_point": hook_point}})))
+                if folder:
+                    self._reduction_groups.add(node)
             for key, value in result.items():
                 full = name if key == main else f"{name}.{key}"
-                path = f"reductions/{node}/{full}"
+                path = f"reductions/{node}/{folder}{full}"
                 t = torch.as_tensor(value).detach().to("cpu").contiguous()
                 dname = F.dtype_name(t.dtype)
                 # an alias has no array: its reductions line up with its target's, which readers read for it
                 rows_of = self.aliases.get(hook_point, hook_point)
                 arr = self._arrays.get(rows_of)
+                features = arr.feature_shape if arr is not None else (
+                    tuple(self._reduced[hook_point]["feature_shape"]) if hook_point in self._reduced else None)
                 dims = F.reduction_dimension_names(hook_point, full, key, kind, getattr(reduction, "options", None),
-                                                   tuple(t.shape), None if arr is None else arr.feature_shape,
-                                                   features_of=rows_of)
+                                                   tuple(t.shape), features, features_of=rows_of)
                 crcs = self._write_small_array(path, t, {"hook_point": hook_point, "reduction": name, "dtype": dname},
                                                dims)
                 entries[full] = {"path": path, "reduction": name, "kind": kind, "dtype": dname, "shape": list(t.shape),
@@ -3314,7 +3641,7 @@ class StoreWriter:
                 owner = entries[name] if name in entries else entries[f"{name}.{next(iter(result))}"]
                 saved = {}
                 for key, value in state.items():
-                    path = f"reductions/{node}/{name}.state.{key}"
+                    path = f"reductions/{node}/{folder}{name}.state.{key}"
                     if _unstorable(value) is not None:
                         saved = None  # a state this format cannot hold: the result stays, resume rebuilds
                         break
@@ -3347,7 +3674,7 @@ class StoreWriter:
             if data is None and pt is not None and Path(pt).is_file():
                 data = Path(pt).read_bytes()
             if isinstance(data, (bytes, bytearray)):
-                key = f"reductions/{node}/{name}.pt"
+                key = f"reductions/{node}/{folder}{name}.pt"
                 data = bytes(data)
                 self._backend.set(key, data)
                 if name in entries:
@@ -3676,7 +4003,7 @@ class StoreWriter:
         hook_point : str
             A hook point of this capture.
         """
-        old = self._old_arrays.get(hook_point)
+        old = self._old_arrays.get(hook_point) or ((self._state or {}).get("reduced") or {}).get(hook_point)
         return 0 if old is None else int(old["n_rows"])
 
     def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Mapping[str, Any] | None = None,
@@ -3755,7 +4082,8 @@ class StoreWriter:
         except StoreCorruptError:
             return None  # (see above: recomputed from the committed rows)
         if script is _NOT_CUSTOM:
-            array = self._old_arrays.get(self.aliases.get(hook_point, hook_point)) or {}
+            array = (self._old_arrays.get(self.aliases.get(hook_point, hook_point))
+                     or ((self._state or {}).get("reduced") or {}).get(hook_point) or {})
             feature_shape = array.get("feature_shape")
             # (of integer rows, a float64 min / max / topk state, as an older version wrote, is
             # not exact beyond 2**53: recomputed from the rows, in int64)

@@ -2,6 +2,7 @@
 
 python store/golden/make_golden.py      ->  store/golden/v1/{mlp_f32,tokens_bf16_zstd}.zarr + expected.pt
 python store/golden/make_golden.py v2   ->  store/golden/v2/ranks.zarr (committed from 2 rank stores) + expected.pt
+python store/golden/make_golden.py v3   ->  store/golden/v3/reductions.zarr (reductions only) + expected.pt
 Never regenerate an existing version's stores: the tests check that they still read.
 """
 
@@ -16,6 +17,57 @@ from activationscope.store import StoreWriter
 
 OUT = Path(__file__).parent / "v1"
 OUT_V2 = Path(__file__).parent / "v2"
+OUT_V3 = Path(__file__).parent / "v3"
+
+
+def main_v3() -> None:
+    """Version 3 (FORMAT.md section 11): a store that keeps reductions only, of a sample-row hook
+    point ("0.output") and a token-row one ("1.output", a mask leaving padding out), with the
+    float64 reference values of its reductions."""
+    import shutil
+
+    import activationscope as acs
+
+    if OUT_V3.exists() and "--force" not in sys.argv:
+        sys.exit(f"{OUT_V3} exists; golden stores are never regenerated")
+    OUT_V3.mkdir(parents=True, exist_ok=True)
+    path = OUT_V3 / "reductions.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    g = torch.Generator().manual_seed(2026)
+
+    class Model(torch.nn.Module):
+        def forward(self, x):  # x (batch, pos, 3): a pooled output and the token output
+            return x.mean(1)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool, self.tok = Model(), torch.nn.Identity()
+
+        def forward(self, x):
+            return self.pool(x), self.tok(x)
+
+    model = Two()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                reductions=["mean", "var", "min", "max"], store_options={"provenance": {"golden": "v3"}})
+    pooled, tokens, ids = [], [], []
+    with scope.track(model, include=["pool", "tok"]) as tracker, torch.no_grad():
+        for b in range(3):
+            x = torch.randn(2, 4, 3, generator=g)
+            mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+            tracker.set_batch(sample_ids=[f"s{2 * b}", f"s{2 * b + 1}"], attention_mask=mask)
+            model(x)
+            pooled.append(x.mean(1))
+            tokens.append(x[mask])
+            ids += [f"s{2 * b}", f"s{2 * b + 1}"]
+    (path / ".activationscope-writer.lock").unlink(missing_ok=True)  # not part of the data (FORMAT.md section 1)
+    expected = {}
+    for hp, rows in (("pool.output", torch.cat(pooled)), ("tok.output", torch.cat(tokens))):
+        r = rows.double()
+        expected[hp] = {"n_rows": len(rows), "mean": r.mean(0), "var": r.var(0, unbiased=False),
+                        "min": r.min(0).values, "max": r.max(0).values}
+    expected["sample_id"] = ids
+    torch.save(expected, OUT_V3 / "expected.pt")
 
 
 def main_v2() -> None:
@@ -60,6 +112,8 @@ def main_v2() -> None:
 def main() -> None:
     if sys.argv[1:2] == ["v2"]:
         return main_v2()
+    if sys.argv[1:2] == ["v3"]:
+        return main_v3()
     if OUT.exists() and "--force" not in sys.argv:
         sys.exit(f"{OUT} exists; golden stores are never regenerated")
     OUT.mkdir(parents=True, exist_ok=True)

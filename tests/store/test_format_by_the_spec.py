@@ -59,9 +59,13 @@ def spec_node_name(hook_point: str) -> str:
 
 
 def spec_root(path: Path) -> dict:
-    """§2, §8: the root document's attributes, of a version this reader knows."""
+    """§2, §8: the root document's attributes, of a version this reader knows (§11: version 3
+    keeps reductions only, `rows_stored` false, `reduced` in place of `arrays`)."""
     meta = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
-    assert meta["format"]["name"] == "activationscope" and meta["format"]["version"] in (1, 2)
+    assert meta["format"]["name"] == "activationscope" and meta["format"]["version"] in (1, 2, 3)
+    assert (meta["format"]["version"] == 3) == (meta.get("rows_stored") is False)
+    if meta["format"]["version"] == 3:
+        assert "arrays" not in meta and "aliases" not in meta and set(meta["row_tables"]) <= {"sample"}
     return meta
 
 
@@ -143,9 +147,11 @@ def spec_dimension_names(meta: dict) -> dict:
     for hp, e in arrays.items():
         rows = e["row_kind"] if e["follows_row_table"] else f"{hp}.rows"
         out[e["path"]] = [rows] + [f"{hp}.dim{i}" for i in range(len(e["feature_shape"]))]
+    reduced = meta.get("reduced") or {}  # (§11: the feature shape of the rows reduced)
     for hp, entries in (meta.get("reductions") or {}).items():
         target = aliases.get(hp, hp)
-        features = arrays[target]["feature_shape"] if target in arrays else None
+        features = arrays[target]["feature_shape"] if target in arrays else (
+            reduced[hp]["feature_shape"] if hp in reduced else None)
         options = {e["reduction"]: e["options"] for e in entries.values() if "options" in e}
         for name, e in entries.items():
             per_feature = options.get(e["reduction"], {}).get("per_feature", 1)
@@ -208,7 +214,7 @@ def _same_as_the_library(path: Path, spec: dict) -> None:
     store = open_store(path)
     meta = spec["meta"]
     assert store.status == meta["status"] and store.n_samples == meta["n_samples"]
-    assert sorted(store.hook_points) == sorted(spec["rows"])
+    assert sorted(store.hook_points) == sorted(spec["rows"] or meta.get("reduced") or {})
     for hp, x in spec["rows"].items():
         target = (meta.get("aliases") or {}).get(hp, hp)
         got, want = store[hp], _torch(x, meta["arrays"][target]["dtype"])
@@ -312,6 +318,31 @@ def test_golden_stores_read_by_the_format_document_alone(name):
     spec = spec_read(GOLDEN / name)
     assert spec["rows"]
     _same_as_the_library(GOLDEN / name, spec)
+
+
+def test_a_store_of_reductions_only_read_by_the_format_document_alone(tmp_path):
+    # §11: reductions (a custom TorchScript one among them), the sample table and the rows reduced;
+    # no activation array, no token table
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()).eval()
+    path = tmp_path / "r.zarr"
+    scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                reductions=["mean", "var", ("ss", _sum_of_squares)])
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    with scope.track(model) as tracker, torch.no_grad():
+        for i, x in enumerate(xs):
+            tracker.set_batch(label=torch.arange(4) + i)
+            model(x)
+    for p in (path, GOLDEN / "v3" / "reductions.zarr"):
+        spec = spec_read(p)
+        assert spec["rows"] == {} and spec["reductions"] and not (p / "acts").exists()
+        _same_as_the_library(p, spec)
+    meta = spec_root(path)
+    assert {hp: (e["n_rows"], e["feature_shape"]) for hp, e in meta["reduced"].items()} == {
+        "0.output": (12, [4]), "1.output": (12, [4])}
+    with torch.no_grad():
+        h = torch.cat([model[0](x) for x in xs]).double()
+    assert np.allclose(spec_read(path)["reductions"]["0.output"]["ss"], h.pow(2).sum(0).numpy())
 
 
 def test_the_reduction_group_says_its_hook_point(stores):

@@ -134,3 +134,40 @@ def test_v2_committed_from_rank_stores():
     assert store.verify() == []
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(store.attrs, json.loads((SCHEMA.parent / "metadata.v2.json").read_text()))
+
+
+def test_v3_keeps_reductions_only():
+    # FORMAT.md section 11: reductions, the sample row table and the rows reduced; no activation row
+    from activationscope.errors import StoreError
+
+    path = GOLDEN / "v3" / "reductions.zarr"
+    store = open_store(path)
+    exp = torch.load(GOLDEN / "v3" / "expected.pt")
+    assert store.status == "complete" and store.attrs["format"]["version"] == 3 and not store.rows_stored
+    assert store.attrs["provenance"] == {"golden": "v3"}
+    assert store.hook_points == ["pool.output", "tok.output"]
+    assert {hp: (e["row_kind"], e["n_rows"]) for hp, e in store.reduced.items()} == {
+        "pool.output": ("sample", 6), "tok.output": ("token", 21)}
+    for hp in store.hook_points:
+        red = store.reductions[hp]
+        for name in ("mean", "var", "min", "max"):
+            assert torch.allclose(red[name], exp[hp][name]), (hp, name)
+        assert int(red["mean.count"]) == exp[hp]["n_rows"]
+        with pytest.raises(StoreError, match="keeps reductions only"):
+            store[hp]
+    assert store.row_table("sample").column("sample_id").to_pylist() == exp["sample_id"]
+    assert store.partial_reductions == {} and store.verify() == []
+    # a plain Zarr reader reads them, at the paths the root gives (each commit's folder: FORMAT.md section 11)
+    key = store.attrs["reductions"]["tok.output"]["mean"]["path"]
+    assert key.startswith("reductions/tok.output/__c")
+    raw = zarr.open_group(str(path), mode="r")[key][:]
+    assert np.allclose(raw, exp["tok.output"]["mean"].numpy())
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((SCHEMA.parent / "metadata.v3.json").read_text())
+    jsonschema.validate(store.attrs, schema)
+    v1 = json.loads(SCHEMA.read_text())
+    assert {k: v for k, v in schema["$defs"].items() if k != "reduced"} == v1["$defs"]  # one format, kept in step
+    with pytest.raises(jsonschema.ValidationError):  # a version 1 reader's schema refuses it
+        jsonschema.validate(store.attrs, v1)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**store.attrs, "arrays": {}}, schema)

@@ -1,0 +1,366 @@
+"""Stores that keep reductions only: ``ActivationScope(store=..., reduction_policy=STREAMING)``
+(store/FORMAT.md section 11, format version 3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.errors import ArgumentValueError, CaptureError, StoreCorruptError, StoreError
+from activationscope.store import _format as F
+from activationscope.store import open_store
+
+STREAMING = acs.ReductionPolicy.STREAMING
+
+
+def _sum_of_squares(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    s = x.double().pow(2).sum(0)
+    return s if acc is None else acc + s
+
+
+REDUCTIONS = ["mean", "var", "min", "max", ("ss", _sum_of_squares)]
+
+
+class _Tokens(torch.nn.Module):
+    """``pool.output`` one row per sample, ``proj.output`` one row per real token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 4)
+        self.pool = torch.nn.Identity()
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.pool(h.mean(1))
+
+
+def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for b in range(n):
+        mask = torch.ones(3, 5, dtype=torch.bool)
+        mask[b % 3, 3:] = False  # padding, left out of the token rows
+        out.append((torch.randn(3, 5, 3, generator=g), mask))
+    return out
+
+
+def _capture(model, target, batches, **kw):
+    with kw.pop("scope", None) or acs.ActivationScope(store=target, **kw).track(model) as tracker, torch.no_grad():
+        for x, mask in batches:
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+    return tracker
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_values_equal_in_memory_streaming_and_a_float64_reference(request, tmp_path, where):
+    torch.manual_seed(0)
+    model = _Tokens().eval()
+    batches = _batches()
+    target = {"local": str(tmp_path / "r.zarr"), "memory": f"memory://redonly-{tmp_path.name}",
+              "s3": f"s3://acs-bucket/redonly-{tmp_path.name}.zarr"}[where]
+    options = request.getfixturevalue("s3") if where == "s3" else None
+    _capture(model, target, batches, reduction_policy=STREAMING, reductions=REDUCTIONS,
+             store_options={"storage_options": options} if options else None)
+    memory = _capture(model, None, batches, reduction_policy=STREAMING, reductions=REDUCTIONS)
+    store = open_store(target, storage_options=options)
+    assert store.status == "complete" and not store.rows_stored
+    assert store.attrs["format"]["version"] == 3 and "arrays" not in store.attrs
+    with torch.no_grad():
+        h = [model.proj(x) for x, _ in batches]
+    reference = {"proj.output": torch.cat([x[m] for x, (_, m) in zip(h, batches)]).double(),
+                 "pool.output": torch.cat([x.mean(1) for x in h]).double()}
+    assert store.hook_points == ["proj.output", "pool.output"]
+    assert store.reduced == {
+        "proj.output": {"row_kind": "token", "feature_shape": [4], "dtype": "float32", "n_rows": 52},
+        "pool.output": {"row_kind": "sample", "feature_shape": [4], "dtype": "float32", "n_rows": 12}}
+    for hp, rows in reference.items():
+        got, mem = store.reductions[hp], memory.reductions[hp]
+        assert sorted(got) == sorted(mem)
+        for name in got:
+            assert torch.equal(got[name], mem[name]), (hp, name)
+        assert torch.allclose(got["mean"], rows.mean(0))
+        assert torch.allclose(got["var"], rows.var(0, unbiased=False))
+        assert torch.equal(got["min"], rows.min(0).values) and torch.equal(got["max"], rows.max(0).values)
+        assert torch.allclose(got["ss"], rows.pow(2).sum(0))
+        assert int(got["mean.count"]) == len(rows)
+    assert store.reduction_script("proj.output", "ss") is not None  # kept as a STORE_ALL store keeps it
+    assert store.partial_reductions == {} and store.verify() == []
+    assert store.row_table("sample").column("sample_id").to_pylist() == list(range(12))
+    assert set(store.attrs["row_tables"]) == {"sample"}  # no token table
+    if where == "local":
+        assert not (tmp_path / "r.zarr" / "acts").exists()
+        copy = store.save(tmp_path / "copy.zarr")  # a copy holds every file it reads
+        assert not copy.rows_stored and copy.reduced == store.reduced and copy.verify() == []
+        assert torch.equal(copy.reductions["pool.output"]["ss"], store.reductions["pool.output"]["ss"])
+
+
+def test_a_store_of_rows_keeps_writing_version_1(tmp_path):
+    model = _Tokens().eval()
+    _capture(model, str(tmp_path / "s.zarr"), _batches(2), reductions=["mean"])
+    attrs = open_store(tmp_path / "s.zarr").attrs
+    assert attrs["format"]["version"] == 1
+    assert "rows_stored" not in attrs and "reduced" not in attrs and "arrays" in attrs and "aliases" in attrs
+
+
+def test_reductions_are_required():
+    with pytest.raises(ArgumentValueError, match=r"STREAMING keeps only reductions, and none were given.*keeps "
+                                                 r"reductions only would hold no value.*leave reduction_policy out"):
+        acs.ActivationScope(store="memory://x", reduction_policy=STREAMING)
+
+
+def test_every_reader_of_rows_raises(tmp_path):
+    from activationscope.analysis.dask import to_dask
+    from activationscope.analysis.probes import probe_store
+    from activationscope.analysis.report import write_report
+    from activationscope.data import ActivationDataset, export_arrow, export_parquet
+
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with scope.track(model) as tracker, torch.no_grad():
+        for b, (x, mask) in enumerate(_batches(2)):
+            tracker.set_batch(attention_mask=mask, label=torch.tensor([0, 1, b]))
+            model(x)
+    store = open_store(path)
+    said = r"keeps reductions only.*no activation row of hook point 'pool.output'.*capture again without reduction_policy"
+    reads = {
+        "getitem": lambda: store["pool.output"],
+        "slice": lambda: store["pool.output", 0:2],
+        "rows": lambda: store.rows("pool.output", 0, 1),
+        "n_rows": lambda: store.n_rows("pool.output"),
+        "feature_shape": lambda: store.feature_shape("pool.output"),
+        "dtype": lambda: store.dtype("pool.output"),
+        "follows_row_table": lambda: store.follows_row_table("pool.output"),
+        "dataset": lambda: ActivationDataset(str(path), hook_points=["pool.output"]),
+        "dataset of every hook point": lambda: ActivationDataset(str(path)),
+        "to_dask": lambda: to_dask(str(path), "pool.output"),
+        "parquet": lambda: export_parquet(store, tmp_path / "x.parquet", hook_points=["pool.output"]),
+        "arrow": lambda: export_arrow(store, tmp_path / "x.arrow", hook_points="pool.output"),
+        "probe": lambda: probe_store(store, ["pool.output"]),
+        "report": lambda: write_report(store, tmp_path / "report", hook_points=["pool.output"]),
+    }
+    for what, read in reads.items():
+        with pytest.raises(StoreError, match=said if what != "dataset of every hook point" else
+                           said.replace("'pool.output'", "'.*'")) as e:
+            read()
+        assert not isinstance(e.value, StoreCorruptError), what
+    assert not (tmp_path / "x.parquet").exists() and not (tmp_path / "x.arrow").exists()
+    # what it holds reads as in any store
+    assert store.row_table("sample").column("label").to_pylist() == [0, 1, 0, 0, 1, 1]
+    assert "pool.output" in store and "nope" not in store and len(store) == 2
+    info = store.info()
+    assert info["rows_stored"] is False and info["arrays"] == {} and info["reduced"] == store.reduced
+    assert info["reductions"] == {"proj.output": ["mean", "mean.count"], "pool.output": ["mean", "mean.count"]}
+
+
+def test_a_raised_forward_leaves_its_rows_out_of_the_committed_count(tmp_path):
+    # a forward that raised at the end of the block: its rows were reduced (as in memory), the
+    # store counts the recorded forwards only, so the reduction shows as partial, never complete
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with pytest.warns(acs.CaptureWarning, match="raised"), scope.track(model), torch.no_grad():
+        model(torch.randn(4, 3))
+        try:
+            model(torch.randn(4, 2))  # the first Linear refuses it
+        except RuntimeError:
+            pass
+        model(torch.randn(3, 3))
+    store = open_store(path)
+    assert store.reduced["0.output"]["n_rows"] == 7 and store.n_samples == 7
+    assert store.partial_reductions == {} and int(store.reductions["1.output"]["mean.count"]) == 7
+
+
+def test_a_store_of_rows_and_one_of_reductions_only_never_resume_each_other(tmp_path):
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    _capture(model, str(path), _batches(2), reduction_policy=STREAMING, reductions=["mean"])
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    scope = acs.ActivationScope(store=str(path), store_options={"resume": True}, reductions=["mean"])
+    with pytest.raises(StoreError, match=r"cannot resume .*it keeps reductions only.*this capture stores activation "
+                                         r"rows.*nothing was changed.*'overwrite': True"):
+        scope.track(model).attach()
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    # a capture that keeps reductions only never continues a store of rows
+    rows = tmp_path / "rows.zarr"
+    _capture(model, str(rows), _batches(1), reductions=["mean"])
+    before = {p: p.read_bytes() for p in sorted(rows.rglob("*")) if p.is_file()}
+    scope = acs.ActivationScope(store=str(rows), store_options={"resume": True}, reduction_policy=STREAMING,
+                                reductions=["mean"])
+    with pytest.raises(StoreError, match=r"it stores activation rows, and this capture keeps reductions only"):
+        scope.track(model).attach()
+    assert {p: p.read_bytes() for p in sorted(rows.rglob("*")) if p.is_file()} == before
+    # overwrite replaces it, either way
+    _capture(model, str(path), _batches(1), reductions=["mean"], store_options={"overwrite": True})
+    assert open_store(path).rows_stored and open_store(path).n_rows("pool.output") == 3
+
+
+def test_each_commit_stores_the_reductions_of_its_forwards(tmp_path):
+    # a reader sees the reductions of the forwards committed so far; one opened before a later
+    # commit (whose files are new ones) is told to refresh, never shown damage
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"commit_interval": 0})
+    batches = _batches(3)
+    with torch.no_grad():
+        want = model.proj(batches[0][0]).mean(1).double().mean(0)
+    with scope.track(model) as tracker, torch.no_grad():
+        for i, (x, mask) in enumerate(batches):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            if i == 0:
+                early = open_store(path)
+                assert early.status == "incomplete" and early.reduced["pool.output"]["n_rows"] == 3
+                assert torch.allclose(early.reductions["pool.output"]["mean"], want)
+    with pytest.raises(StoreError, match=r"committed again since it was opened.*each commit of a store that keeps "
+                                         r"reductions only writes them anew.*refresh\(\)") as e:
+        early.reductions["pool.output"]
+    assert not isinstance(e.value, StoreCorruptError)
+    early.refresh()
+    assert early.reduced["pool.output"]["n_rows"] == 9 and early.verify() == []
+
+
+def test_multi_rank_capture_is_refused_at_attach(tmp_path):
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(tmp_path / "r.zarr"), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"process_group": acs.RankStore(0, 2)})
+    with pytest.raises(CaptureError, match=r"multi-rank capture .* cannot keep reductions only.*process_group': "
+                                           r"False.*nothing was written"):
+        scope.track(model).attach()
+    assert not (tmp_path / "r.zarr").exists()
+
+
+def test_a_reader_of_version_2_refuses_it(tmp_path, monkeypatch):
+    path = tmp_path / "r.zarr"
+    _capture(_Tokens().eval(), str(path), _batches(1), reduction_policy=STREAMING, reductions=["mean"])
+    monkeypatch.setattr(F, "MAX_READ_VERSION", 2)
+    with pytest.raises(StoreError, match=r"format version 3; this activationscope reads versions up to 2: upgrade") \
+            as e:
+        open_store(path)
+    assert not isinstance(e.value, StoreCorruptError)
+
+
+def _edit(path: Path, fn) -> None:
+    doc = json.loads((path / "zarr.json").read_text())
+    fn(doc["attributes"]["activationscope"])
+    (path / "zarr.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda a: a.pop("rows_stored"), r"rows_stored must be false in a root of format version 3"),
+    (lambda a: a.update(rows_stored=0), r"rows_stored must be false"),
+    (lambda a: a.pop("reduced"), r"reduced must be a JSON object"),
+    (lambda a: a.update(reduced=None), r"reduced must be a JSON object"),
+    (lambda a: a.update(arrays={}), r"arrays must be absent in a store that keeps reductions only"),
+    (lambda a: a.update(aliases={}), r"aliases must be absent"),
+    (lambda a: a.update(distributed={"world_size": 2, "committed": True}), r"distributed must be absent"),
+    (lambda a: a["row_tables"].update(token={"parts": [], "n_rows": 0}), r"row_tables key must be 'sample' only"),
+    (lambda a: a["reduced"]["pool.output"].update(n_rows=-1), r"reduced\['pool.output'\].n_rows must be an int"),
+    (lambda a: a["reduced"]["pool.output"].update(n_rows=True), r"reduced\['pool.output'\].n_rows must be an int"),
+    (lambda a: a["reduced"]["pool.output"].update(n_rows=1 << 60), r"n_rows must be an int in 0\.\."),
+    (lambda a: a["reduced"]["pool.output"].update(row_kind="pixel"), r"row_kind must be one of"),
+    (lambda a: a["reduced"]["pool.output"].update(dtype="float128"), r"dtype must be one of"),
+    (lambda a: a["reduced"]["pool.output"].update(feature_shape=[-1]), r"feature_shape must be a list"),
+    (lambda a: a["reduced"]["pool.output"].update(feature_shape=[1 << 20, 1 << 20]), r"rows of at most"),
+    (lambda a: a["reduced"].update({"x": "y"}), r"reduced\['x'\] must be a JSON object"),
+    (lambda a: a["reduced"].pop("pool.output"), r"reductions\['pool.output'\] must be the reductions of a hook "
+                                                r"point of 'reduced'"),
+    # a version 1 root that says it keeps no rows: a version 1 reader would read it as a store of none
+    (lambda a: a["format"].update(version=1), r"format.version must be 3 in a root whose rows_stored is False"),
+    (lambda a: (a["format"].update(version=2), a.pop("rows_stored")), r"format.version must be 3 in a root with "
+                                                                      r"'reduced'"),
+])
+def test_hostile_root_fields_are_refused(tmp_path, edit, said):
+    path = tmp_path / "r.zarr"
+    _capture(_Tokens().eval(), str(path), _batches(1), reduction_policy=STREAMING, reductions=["mean"])
+    _edit(path, edit)
+    with pytest.raises(StoreCorruptError, match=said):
+        open_store(path)
+
+
+def test_a_reduction_whose_shape_is_not_its_reduced_rows_is_refused(tmp_path):
+    # FORMAT.md section 9 rule 10: a built-in's output shape is checked against the reduced feature shape
+    path = tmp_path / "r.zarr"
+    _capture(_Tokens().eval(), str(path), _batches(1), reduction_policy=STREAMING, reductions=["mean"])
+    _edit(path, lambda a: a["reduced"]["pool.output"].update(feature_shape=[5]))
+    store = open_store(path)
+    assert "mean" in store.refused_reductions["pool.output"]
+    with pytest.warns(UserWarning, match="mean"):
+        store.reductions["pool.output"]
+
+
+def test_cli_capture_info_and_verify(tmp_path, capsys):
+    from activationscope.cli import main
+
+    out = tmp_path / "r.zarr"
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean,var",
+                 "--reductions-only", "--max-samples", "8", "--no-progress"]) == 0
+    assert "(reductions only: ['mean', 'var'])" in capsys.readouterr().out
+    store = open_store(out)
+    assert not store.rows_stored and store.n_samples == 8 and store.hook_points
+    assert all(sorted(store.reductions[hp]) == ["mean", "mean.count", "var", "var.count", "var.mean"]
+               for hp in store.hook_points)
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "stores:   reductions only" in text and "reduced, reductions only (no activation row)" in text
+    assert main(["verify", str(out)]) == 0
+    assert "ok (reductions only:" in capsys.readouterr().out
+    # --reductions-only needs --reduce; nothing is written
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(tmp_path / "n.zarr"),
+                 "--reductions-only", "--no-progress"]) != 0
+    assert "--reductions-only keeps the reductions only, and no --reduce was given" in capsys.readouterr().err
+    assert not (tmp_path / "n.zarr").exists()
+    # its resume needs --reductions-only; the store is left as it was
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean,var",
+                 "--resume", "--max-samples", "16", "--no-progress"]) != 0
+    assert "keeps reductions only (captured with --reductions-only): pass --reductions-only" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_cli_resume_equals_an_uninterrupted_capture(tmp_path, capsys):
+    from activationscope.cli import main
+
+    args = ["--model", "demo", "--data", "demo", "--reduce", "mean,var,topk[k=3]", "--reductions-only",
+            "--batch-size", "4", "--no-progress"]
+    assert main(["capture", *args, "--out", str(tmp_path / "ref.zarr"), "--max-samples", "16"]) == 0
+    assert main(["capture", *args, "--out", str(tmp_path / "r.zarr"), "--max-samples", "8"]) == 0
+    assert main(["capture", *args, "--out", str(tmp_path / "r.zarr"), "--max-samples", "16", "--resume"]) == 0
+    a, b = open_store(tmp_path / "r.zarr"), open_store(tmp_path / "ref.zarr")
+    assert a.n_samples == 16 and a.reduced == b.reduced and a.partial_reductions == {}
+    for hp in b.hook_points:
+        for name, value in b.reductions[hp].items():
+            assert torch.equal(a.reductions[hp][name], value), (hp, name)
+    # a store of rows is never continued with --reductions-only
+    assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(tmp_path / "rows.zarr"),
+                 "--max-samples", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["capture", *args, "--out", str(tmp_path / "rows.zarr"), "--max-samples", "8", "--resume"]) != 0
+    assert "stores activation rows, and one store cannot hold both" in capsys.readouterr().err
+
+
+def test_commits_wait_for_ten_times_the_time_their_states_took(tmp_path):
+    # each commit writes every reduction's state (a cov of wide rows: megabytes): a store that keeps
+    # reductions only commits no more often than STATE_WRITE_SHARE times the time that took
+    from activationscope.store.writer import STATE_WRITE_SHARE
+
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"commit_interval": 0})
+    with scope.track(model) as tracker, torch.no_grad():
+        for i, (x, mask) in enumerate(_batches(4)):
+            tracker.set_batch(attention_mask=mask)
+            model(x)
+            if i == 0:  # (committed: its hook points are new) as if its states had taken 1000 s
+                assert tracker.writer._state_write_s < 1000
+                tracker.writer._state_write_s = 1000.0
+                assert tracker.writer._due_interval() == STATE_WRITE_SHARE * 1000.0
+        assert open_store(path).n_samples == 3  # no commit since
+    assert open_store(path).n_samples == 12 and open_store(path).partial_reductions == {}
