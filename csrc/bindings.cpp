@@ -350,6 +350,7 @@ void bind_capture(py::module_& m) {
           },
           py::arg("index"))
       .def("set_writer", &Sink::set_writer)
+      .def("set_one_layout", &Sink::set_one_layout, py::arg("on"))
       .def_property_readonly("has_writer", &Sink::has_writer)
       .def_property_readonly("row_kind", &Sink::row_kind)
       .def_property_readonly("n_rows", &Sink::n_rows)

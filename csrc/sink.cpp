@@ -574,10 +574,11 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
   if (!seen_dtype_) {
     seen_dtype_ = x.scalar_type();
     check_first_rows_fit_writer(x);
-  } else if (writer_ && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
+  } else if ((writer_ || one_layout_) && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
     // A store array has one dtype: rows of another would be cast to it, silently losing
-    // precision (float64 -> float32) or changing values (float -> int). Checked before this
-    // call keeps, reduces or writes anything.
+    // precision (float64 -> float32) or changing values (float -> int); a store that keeps
+    // reductions only records one dtype per hook point, that of its first call. Checked before
+    // this call keeps, reduces or writes anything.
     count_call(-1);
     auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
     const bool floats = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_);
@@ -587,7 +588,8 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     const bool ints_of_floats = at::isFloatingType(*seen_dtype_) &&
                                 (at::isIntegralType(x.scalar_type(), /*includeBool=*/true));
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
-              dtype_name(x.scalar_type()), " during the capture; its store array holds ",
+              dtype_name(x.scalar_type()), " during the capture; ",
+              writer_ ? "its store array holds " : "the store (it keeps reductions only) records its rows as ",
               dtype_name(*seen_dtype_), ". ",
               autocast_like ? "A forward under torch.autocast and one outside it (or under another autocast "
                               "dtype) give such a change: run every forward under the same autocast, or p"
@@ -616,7 +618,8 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
     auto feat = rows.sizes().slice(1);
     if (n_rows_ == 0 && feature_shape_.empty()) {
       feature_shape_.assign(feat.begin(), feat.end());
-    } else if (writer_ && at::IntArrayRef(feature_shape_) != feat && token_mask.defined() && row_kind_ == 0 &&
+    } else if ((writer_ || one_layout_) && at::IntArrayRef(feature_shape_) != feat && token_mask.defined() &&
+               row_kind_ == 0 &&
                !(sample_rows_chosen_ && is_token_rows(x, token_mask))) {
       // A mask is given, but this hook point is stored one row per sample (its first activation
       // did not start with the mask's (batch, pos): an attention bias (batch, 1, pos, pos), a
@@ -639,11 +642,11 @@ void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
                 "exclude_hook_points=['", name_, "'] (the other hook points of its module still captured), or ",
                 "with its module (exclude= its module",
                 is_input ? ", or capture=\"output\": it is an input of its module)" : ")", ".");
-    } else if (writer_) {
+    } else if (writer_ || one_layout_) {
       ACS_CHECK(at::IntArrayRef(feature_shape_) == feat, "hook point '", name_,
                 "' changed its feature shape from ", shape_str(feature_shape_), " to ",
-                shape_str(feat),
-                "; a store array needs one feature shape per hook point. For sequences of "
+                shape_str(feat), writer_ ? "; a store array" : "; a store that keeps reductions only",
+                " needs one feature shape per hook point. For sequences of "
                 "varying length pass attention_mask= to tracker.set_batch() so rows are "
                 "tokens; for images of varying size (conv maps (C, H, W) follow the input's "
                 "size) feed one size (resize or crop), track a module after a global pooling "

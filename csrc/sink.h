@@ -140,6 +140,9 @@ class Sink {
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }
+  // A store that keeps reductions only records this hook point's dtype and feature shape from
+  // its first call (it has no array): later calls are held to them as a store array's are.
+  void set_one_layout(bool on) { one_layout_ = on; }
   // consume() only keeps a reference (no copy, reduction or store hand-off): callers need
   // not release the GIL for it.
   bool keeps_reference_only() const {
@@ -237,6 +240,7 @@ class Sink {
   std::vector<std::shared_ptr<c10::Event>> pending_;  // device copies in flight
   std::vector<std::shared_ptr<Reduction>> reductions_;
   std::shared_ptr<RowConsumer> writer_;
+  bool one_layout_ = false;  // (set_one_layout)
   int row_kind_ = -1;
   bool sample_rows_chosen_ = false;  // sample rows by choice (token_rows=False), whatever the shape
   int64_t claimed_forward_ = -1;

@@ -364,3 +364,44 @@ def test_commits_wait_for_ten_times_the_time_their_states_took(tmp_path):
                 assert tracker.writer._due_interval() == STATE_WRITE_SHARE * 1000.0
         assert open_store(path).n_samples == 3  # no commit since
     assert open_store(path).n_samples == 12 and open_store(path).partial_reductions == {}
+
+
+def test_a_dtype_change_is_refused_as_a_store_array_refuses_it(tmp_path):
+    # the store records each hook point's dtype from its first call: a forward under autocast
+    # after one outside it is refused before its rows are reduced, the store left as committed
+    path = tmp_path / "r.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    x = torch.randn(3, 4)
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with pytest.raises(CaptureError, match=r"hook point '0.output' changed its dtype from torch.float32 to "
+                                           r"torch.bfloat16 during the capture; the store \(it keeps reductions only\) "
+                                           r"records its rows as torch.float32.*torch.autocast.*storage_dtype="):
+        with scope.track(model), torch.no_grad():
+            model(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(3, 4))
+    store = open_store(path)
+    assert store.status == "incomplete"
+    assert store.reduced["0.output"] == {"row_kind": "sample", "feature_shape": [4], "dtype": "float32", "n_rows": 3}
+    with torch.no_grad():
+        want = model(x).double().mean(0)
+    torch.testing.assert_close(store.reductions["0.output"]["mean"], want, rtol=0, atol=0)
+
+
+def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_path):
+    # a per_feature=0 reduction takes rows of any feature shape: the store, which records one
+    # feature shape per hook point, refuses the change before the rows are reduced
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Identity())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING,
+                                reductions=[("m", "mean", {"per_feature": 0})])
+    with pytest.raises(CaptureError, match=r"hook point '0.output' changed its feature shape from \(4,\) to \(5,\); a "
+                                           r"store that keeps reductions only needs one feature shape per hook point"):
+        with scope.track(model):
+            model(x)
+            model(torch.randn(3, 5, dtype=torch.float64))
+    store = open_store(path)
+    assert store.reduced["0.output"]["feature_shape"] == [4] and store.reduced["0.output"]["n_rows"] == 3
+    torch.testing.assert_close(store.reductions["0.output"]["m"], x.mean())

@@ -2287,6 +2287,9 @@ class Tracker:
                 self.writer.open_reduced(name, feature_shape, self._cast_dtype(name, tensor) or tensor.dtype,
                                          "token" if token else "sample")
                 self._reduced_rows[name] = 0
+                # the store records this first call's dtype and feature shape: a later call of
+                # another (autocast switched on or off) is refused as a store array refuses it
+                sink.set_one_layout(True)
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
