@@ -1414,6 +1414,10 @@ class StoreWriter:
         self._keep_held = False
         self._partial_bytes = 0  # bytes of the partial shards asked for (_request_partial_shards)
         self._document_bytes = 0  # bytes of the documents and row-table parts commits wrote (maybe_commit)
+        # each array's rows at the last recorded batch (_Batch.cums), and the bytes of a row of
+        # each (in _order): the bytes appended, in one product (_appended_bytes)
+        self._last_cums: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._order_row_nbytes: np.ndarray = np.zeros(0, dtype=np.float64)
         self._warned_budget = False  # (its warning: once per capture)  # (the store left its path: its held files are left where it went)
         self._reductions: dict[str, dict] = {}
         self._encoders: dict[str, Any] = {}
@@ -2855,7 +2859,7 @@ class StoreWriter:
         # every array's rows now, and those that got another number than this batch's
         # samples (sample rows) or tokens (token rows) since the last batch: one native call
         cums, off = self._counts.step(n, n_tokens)
-        cums = np.array(cums, dtype=np.int64)
+        cums = self._last_cums = np.array(cums, dtype=np.int64)
         lost: dict[str, tuple[int, int]] = {}
         for i, got in off:
             a = self._order[i]
@@ -2984,10 +2988,18 @@ class StoreWriter:
                 return False
             if waited < DOCUMENT_MAX_WAIT_S and self._document_bytes > DOCUMENT_ALLOWANCE_BYTES:
                 # (a long capture: each commit rewrites documents as large as the run is long)
-                appended = sum(int(a.writer.n_rows) * a.row_nbytes for a in self._order if a.writer is not None)
-                if self._document_bytes > DOCUMENT_ALLOWANCE_BYTES + DOCUMENT_SHARE * appended:
+                if self._document_bytes > DOCUMENT_ALLOWANCE_BYTES + DOCUMENT_SHARE * self._appended_bytes():
                     return False
         return self.commit()
+
+    def _appended_bytes(self) -> float:
+        """Bytes (uncompressed) of the rows appended to this writer's arrays up to the last
+        recorded batch: one product of their row counts and row sizes, not a Python step per
+        array (:meth:`maybe_commit` asks after every forward while it holds a commit back)."""
+        cums = self._last_cums
+        if len(self._order_row_nbytes) != len(cums):
+            self._order_row_nbytes = np.array([a.row_nbytes for a in self._order[:len(cums)]], dtype=np.float64)
+        return float(np.dot(cums, self._order_row_nbytes)) if len(cums) else 0.0
 
     def _due_interval(self) -> float:
         """Seconds between two commits of :meth:`maybe_commit`: ``commit_interval``; with

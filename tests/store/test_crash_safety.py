@@ -359,6 +359,44 @@ def test_a_long_capture_writes_documents_within_a_share_of_its_rows(tmp_path, mo
     assert torch.equal(st["x"][:, 0], torch.arange(n_shards).repeat_interleave(4).float())
 
 
+def test_the_document_budget_takes_the_bytes_appended_without_a_step_per_array(tmp_path, monkeypatch):
+    # held back by the budget, maybe_commit runs it after every forward: the bytes appended come
+    # from the row counts the forward recorded, in one product, never a read of each array's
+    # writer (hundreds of microseconds a forward with 500 hook points)
+    import activationscope.store.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "DOCUMENT_ALLOWANCE_BYTES", 0)
+    monkeypatch.setattr(writer_mod, "DOCUMENT_MAX_WAIT_S", float("inf"))
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, chunk_rows=2, shard_rows=4, commit_interval=0)
+    arrays = [w.open_array(f"x{i}", (4 * (i + 1),), torch.float32, "sample") for i in range(3)]
+    w.add_batch(0)
+    assert w.maybe_commit()  # lists the new arrays: documents far beyond their rows' share from now on
+    for b in range(2):
+        for i, a in enumerate(arrays):
+            a.append(torch.full((4, 4 * (i + 1)), float(b)))
+        w.add_batch(4)
+    w._core.drain()
+    assert w._appended_bytes() == 8 * (4 + 8 + 12) * 4
+
+    class Unread:
+        @property
+        def n_rows(self):
+            raise AssertionError("the document budget read an array's writer")
+
+    kept = [a.writer for a in w._order]
+    for a in w._order:
+        a.writer = Unread()
+    try:
+        assert not w.maybe_commit()
+    finally:
+        for a, writer in zip(w._order, kept):
+            a.writer = writer
+    w.close()
+    st = open_store(path)
+    assert st.n_samples == 8 and torch.equal(st["x2"][:, 0], torch.tensor([0.0] * 4 + [1.0] * 4))
+
+
 def test_a_commit_held_back_for_its_documents_comes_after_the_longest_wait(tmp_path, monkeypatch):
     import activationscope.store.writer as writer_mod
 
