@@ -405,3 +405,18 @@ def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_
     store = open_store(path)
     assert store.reduced["0.output"]["feature_shape"] == [4] and store.reduced["0.output"]["n_rows"] == 3
     torch.testing.assert_close(store.reductions["0.output"]["m"], x.mean())
+
+
+def test_the_token_row_table_it_has_not_is_refused(tmp_path):
+    # an empty token table would say that no token was reduced: proj.output reduced 13 of them
+    path = tmp_path / "r.zarr"
+    _capture(_Tokens().eval(), str(path), _batches(1), reduction_policy=STREAMING, reductions=["mean"])
+    store = open_store(path)
+    assert store.reduced["proj.output"]["n_rows"] == 13
+    with pytest.raises(StoreError, match=r"keeps reductions only.*no token row table.*row_table\('sample'\)") as e:
+        store.row_table("token")
+    assert not isinstance(e.value, StoreCorruptError)
+    with pytest.raises(StoreError, match=r"no token row table"):
+        store.row_table("token", columns=["sample_id"])
+    assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2]
+

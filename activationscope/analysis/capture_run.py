@@ -955,12 +955,15 @@ def _check_resumed_token_ids(out: str, dataset: Any, data: str, model: str, toke
     ``tokenizer.json``, other special tokens, another truncation side) would store rows of
     other tokens, named otherwise, next to the stored ones: refused (ArgumentValueError naming
     the sample and both ids; nothing changed). A store without token ids (an earlier
-    version's), or with none for those samples, is not checked. ``store``: the store at
+    version's), with none for those samples, or one that keeps reductions only (no token
+    table), is not checked. ``store``: the store at
     ``out``, opened; only the ``sample_id``, ``pos`` and ``token_ids`` of its token table are
     read."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if not store.rows_stored:  # (a store that keeps reductions only has no token table: not checked)
+        return
     table = store.row_table("token", columns=["sample_id", "pos", "token_ids"])
     if "token_ids" not in table.column_names:
         return
@@ -1056,7 +1059,8 @@ def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, fir
     are read. A row table that cannot be read (a damaged part) raises its StoreError: it says
     nothing of the store's labels."""
     table = None
-    for kind in ("sample", "token"):  # (a store without a table of a kind reads an empty one)
+    # (a store without a table of a kind reads an empty one; one that keeps reductions only has no token table)
+    for kind in ("sample", "token") if store.rows_stored else ("sample",):
         table = store.row_table(kind, columns=["sample_id", "label"])
         if table.num_rows:
             break

@@ -2989,11 +2989,18 @@ class Store:
             number of rows than the metadata's ``n_rows``, or columns of other types.
         StoreError
             Of a store of rank stores: two ranks hold a column (read or not) of other types.
+            ``kind`` "token" of a store that keeps reductions only (:attr:`rows_stored`
+            False), which has no token table.
         """
         import pyarrow as pa
 
         if kind not in ("sample", "token"):
             raise ArgumentValueError(f"kind must be one of ['sample', 'token'], got {kind!r}")
+        if kind == "token" and not self.rows_stored:  # (an empty table would say that no token was reduced)
+            raise StoreError(
+                f"store {str(self._backend)!r} keeps reductions only (captured with store= and "
+                "reduction_policy=ReductionPolicy.STREAMING): it has no token row table (its token rows were reduced "
+                "and not stored; store.reduced gives how many); read row_table('sample')")
         read = None  # the columns decoded: those asked for, and those the checks below read
         if columns is not None:
             names = list(columns) if isinstance(columns, Iterable) and not isinstance(columns, (str, bytes)) else None
