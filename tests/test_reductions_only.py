@@ -420,3 +420,20 @@ def test_the_token_row_table_it_has_not_is_refused(tmp_path):
         store.row_table("token", columns=["sample_id"])
     assert store.row_table("sample").column("sample_id").to_pylist() == [0, 1, 2]
 
+
+def test_a_resume_with_another_storage_dtype_names_the_reduced_hook_points(tmp_path):
+    # the store has no arrays: its hook points are those it reduced, never "none yet"
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
+            torch.no_grad():
+        model(torch.randn(3, 4))
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                storage_dtype=torch.bfloat16, store_options={"resume": True})
+    with pytest.raises(CaptureError, match=r"its hook points \('0.output', '1.output'\) are stored with "
+                                           r"storage_dtype=None.*this capture has storage_dtype=torch.bfloat16.*nothing "
+                                           r"was changed"):
+        with scope.track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before

@@ -1374,12 +1374,14 @@ class StoreWriter:
         if self._state is not None:
             stored = self._state.get("storage_dtype")
             if stored != self._storage_dtype:
-                arrays = sorted(self._state.get("arrays") or {})
+                # (a store that keeps reductions only: the hook points it reduced)
+                arrays = sorted(self._state.get("arrays") or self._state.get("reduced") or {})
                 shown = ", ".join(repr(a) for a in arrays[:4]) + (", ..." if len(arrays) > 4 else "")
                 raise CaptureError(
                     f"cannot resume {str(self._backend)!r}: its hook points ({shown or 'none yet'}) are stored with "
                     f"storage_dtype={_dtype_label(stored)}, this capture has storage_dtype="
-                    f"{_dtype_label(self._storage_dtype)}, and one array cannot mix the two; nothing was changed. "
+                    f"{_dtype_label(self._storage_dtype)}, and one array (or reduction) cannot mix the two; nothing "
+                    "was changed. "
                     f"Resume with storage_dtype={_dtype_label(stored, torch_name=True)} (CLI: "
                     f"{'no --dtype' if stored is None else '--dtype ' + stored}), or overwrite=True (CLI: --overwrite) "
                     "to start again"
