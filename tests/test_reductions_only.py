@@ -437,3 +437,29 @@ def test_a_resume_with_another_storage_dtype_names_the_reduced_hook_points(tmp_p
         with scope.track(model), torch.no_grad():
             model(torch.randn(3, 4))
     assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+
+
+def test_the_document_budget_counts_the_rows_reduced(tmp_path, monkeypatch):
+    # past DOCUMENT_ALLOWANCE_BYTES, commits wait until the documents are within DOCUMENT_SHARE
+    # of the bytes captured: a store of no array counts the rows it reduced (counting none, it
+    # committed once per DOCUMENT_MAX_WAIT_S whatever it captured)
+    import activationscope.store.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "DOCUMENT_ALLOWANCE_BYTES", 0)
+    monkeypatch.setattr(writer_mod, "DOCUMENT_MAX_WAIT_S", float("inf"))
+    monkeypatch.setattr(writer_mod, "STATE_WRITE_SHARE", 0.0)  # (commits wait for the documents only)
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Identity()).eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"commit_interval": 0})
+    with scope.track(model) as tracker, torch.no_grad():
+        model(torch.zeros(2, 256))  # its root and row-table part: far more than a quarter of 2 rows
+        w = tracker.writer
+        assert w._appended_bytes() == 2 * 256 * 4
+        model(torch.zeros(2, 256))
+        assert open_store(path).n_samples == 2  # held back
+        for _ in range(38):
+            model(torch.ones(2, 256))
+        assert w._appended_bytes() == 80 * 256 * 4
+        assert open_store(path).n_samples > 2  # committed again, once the rows reduced allowed it
+    assert open_store(path).n_samples == 80

@@ -2997,7 +2997,14 @@ class StoreWriter:
     def _appended_bytes(self) -> float:
         """Bytes (uncompressed) of the rows appended to this writer's arrays up to the last
         recorded batch: one product of their row counts and row sizes, not a Python step per
-        array (:meth:`maybe_commit` asks after every forward while it holds a commit back)."""
+        array (:meth:`maybe_commit` asks after every forward while it holds a commit back). A
+        writer that keeps reductions only: the bytes of the rows reduced."""
+        if self.reductions_only:  # (no array: the rows reduced, each hook point's counted since the start)
+            last = self._pending[-1].reduced if self._pending else self._reduced_counts()
+            sizes = self.__dict__.setdefault("_reduced_row_nbytes", {})  # (hook point -> bytes of a row)
+            if len(sizes) != len(self._reduced):
+                sizes.update({hp: V.row_bytes(e) for hp, e in self._reduced.items()})
+            return float(sum(rows * sizes[hp] for hp, rows in last.items()))
         cums = self._last_cums
         if len(self._order_row_nbytes) != len(cums):
             self._order_row_nbytes = np.array([a.row_nbytes for a in self._order[:len(cums)]], dtype=np.float64)
