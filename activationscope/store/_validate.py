@@ -131,11 +131,9 @@ def row_bytes(meta: dict) -> int:
     return math.prod(meta["feature_shape"]) * F.itemsize(meta["dtype"])
 
 
-def check_array_entry(hp: str, meta: Any, c: _Checker) -> None:
-    f = f"arrays[{hp!r}]"
-    c.dict(meta, f)
-    c.keyed(meta.get("path"), f"{f}.path", "acts")
-    c.keyed(meta.get("manifest"), f"{f}.manifest", "acts")
+def _check_rows_meta(meta: dict, f: str, c: _Checker) -> int:
+    """``row_kind``, ``dtype``, ``feature_shape`` and ``n_rows`` of the entry ``f`` (an array's,
+    or a hook point's of ``reduced``), checked; returns the bytes of one row."""
     if meta.get("row_kind") not in ("sample", "token"):
         raise c.fail(f"{f}.row_kind", "one of ['sample', 'token']", meta.get("row_kind"))
     if meta.get("dtype") not in F.SUPPORTED_DTYPES:
@@ -148,6 +146,15 @@ def check_array_entry(hp: str, meta: Any, c: _Checker) -> None:
     if rb > MAX_ROW_BYTES:
         raise c.fail(f"{f}.feature_shape", f"rows of at most {MAX_ROW_BYTES} bytes", feat)
     c.int(meta, "n_rows", f"{f}.n_rows")
+    return rb
+
+
+def check_array_entry(hp: str, meta: Any, c: _Checker) -> None:
+    f = f"arrays[{hp!r}]"
+    c.dict(meta, f)
+    c.keyed(meta.get("path"), f"{f}.path", "acts")
+    c.keyed(meta.get("manifest"), f"{f}.manifest", "acts")
+    rb = _check_rows_meta(meta, f, c)
     chunk_rows = c.int(meta, "chunk_rows", f"{f}.chunk_rows", 1, MAX_ROWS)
     shard_rows = c.int(meta, "shard_rows", f"{f}.shard_rows", 1, MAX_ROWS)
     if shard_rows % chunk_rows or shard_rows // chunk_rows > MAX_SHARD_CHUNKS:
@@ -458,17 +465,7 @@ def check_reduced_entry(hp: str, meta: Any, c: _Checker) -> None:
     ``n_rows`` of a hook point whose rows were reduced and not stored."""
     f = f"reduced[{hp!r}]"
     c.dict(meta, f)
-    if meta.get("row_kind") not in ("sample", "token"):
-        raise c.fail(f"{f}.row_kind", "one of ['sample', 'token']", meta.get("row_kind"))
-    if meta.get("dtype") not in F.SUPPORTED_DTYPES:
-        raise c.fail(f"{f}.dtype", f"one of {list(F.SUPPORTED_DTYPES)}", meta.get("dtype"))
-    feat = meta.get("feature_shape")
-    if (not isinstance(feat, list) or len(feat) > MAX_FEATURE_DIMS
-            or not all(_int(d, 0, MAX_ROW_BYTES) for d in feat)):
-        raise c.fail(f"{f}.feature_shape", f"a list of at most {MAX_FEATURE_DIMS} non-negative ints", feat)
-    if row_bytes(meta) > MAX_ROW_BYTES:
-        raise c.fail(f"{f}.feature_shape", f"rows of at most {MAX_ROW_BYTES} bytes", feat)
-    c.int(meta, "n_rows", f"{f}.n_rows")
+    _check_rows_meta(meta, f, c)
 
 
 def check_reductions_only(attrs: dict, c: _Checker) -> dict | None:
