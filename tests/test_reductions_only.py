@@ -463,3 +463,23 @@ def test_the_document_budget_counts_the_rows_reduced(tmp_path, monkeypatch):
         assert w._appended_bytes() == 80 * 256 * 4
         assert open_store(path).n_samples > 2  # committed again, once the rows reduced allowed it
     assert open_store(path).n_samples == 80
+
+
+def test_reduced_rows_never_go_back_below_the_committed_count(tmp_path):
+    # a hook point left out of the first batch after a commit keeps its committed count: a later
+    # batch that gives it fewer rows is refused, not committed as a count that went back
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(tmp_path / "r.zarr", reductions_only=True, commit_interval=0)
+    w.open_reduced("a.output", (2,), torch.float32, "sample")
+    w.open_reduced("b.output", (2,), torch.float32, "sample")
+    w.add_batch(3, reduced_rows={"a.output": 3, "b.output": 3})
+    w.commit()
+    w.add_batch(3, reduced_rows={"a.output": 6})
+    with pytest.raises(ArgumentValueError, match=r"reduced_rows\['b.output'\] counts rows from the start of the "
+                                                 r"capture and never goes back: 3 before, got 1"):
+        w.add_batch(3, reduced_rows={"a.output": 9, "b.output": 1})
+    w.add_batch(3, reduced_rows={"a.output": 9, "b.output": 6})
+    w.close()
+    reduced = open_store(tmp_path / "r.zarr").reduced
+    assert (reduced["a.output"]["n_rows"], reduced["b.output"]["n_rows"]) == (9, 6)

@@ -2774,7 +2774,8 @@ class StoreWriter:
                 raise ArgumentValueError(f"reduced_rows names hook point {hp!r}, which open_reduced did not declare")
             if not (isinstance(rows, (int, np.integer)) and not isinstance(rows, bool) and 0 <= rows <= V.MAX_ROWS):
                 raise ArgumentValueError(f"reduced_rows[{hp!r}] must be an int in 0..{V.MAX_ROWS}, got {rows!r}")
-            last = self._pending[-1].reduced.get(hp, 0) if self._pending else self._reduced[hp]["n_rows"]
+            # (its count after the last recorded batch, or the committed one where none since gave it)
+            last = (self._pending[-1].reduced if self._pending else {}).get(hp, self._reduced[hp]["n_rows"])
             if rows < last:
                 raise ArgumentValueError(f"reduced_rows[{hp!r}] counts rows from the start of the capture and never "
                                          f"goes back: {last} before, got {rows}")
