@@ -23,7 +23,9 @@ namespace acs {
 
 namespace {
 
-int64_t parse_key(std::string_view key) {
+// A `str` argument of an op arrives as c10::string_view: std::string_view itself in torch 2.11
+// and 2.13, a class of c10's own in older torch (2.4), whose op registration takes no other.
+int64_t parse_key(c10::string_view key) {
   int64_t out = 0;
   auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), out);
   TORCH_CHECK(ec == std::errc() && end == key.data() + key.size(),
@@ -46,7 +48,7 @@ void with_gil(F&& fn) {
   }
 }
 
-void call_begin(const at::Tensor& /*token*/, std::string_view wrapper, at::TensorList leaves,
+void call_begin(const at::Tensor& /*token*/, c10::string_view wrapper, at::TensorList leaves,
                 const std::vector<std::string>& names, const std::optional<at::Tensor>& first) {
   const int64_t key = parse_key(wrapper);
   with_gil([&] {
@@ -54,7 +56,7 @@ void call_begin(const at::Tensor& /*token*/, std::string_view wrapper, at::Tenso
   });
 }
 
-void call_end(const at::Tensor& /*token*/, std::string_view wrapper, at::TensorList leaves,
+void call_end(const at::Tensor& /*token*/, c10::string_view wrapper, at::TensorList leaves,
               const std::vector<std::string>& names) {
   const int64_t key = parse_key(wrapper);
   with_gil([&] {
@@ -62,9 +64,9 @@ void call_end(const at::Tensor& /*token*/, std::string_view wrapper, at::TensorL
   });
 }
 
-void call_begin_meta(const at::Tensor&, std::string_view, at::TensorList, const std::vector<std::string>&,
+void call_begin_meta(const at::Tensor&, c10::string_view, at::TensorList, const std::vector<std::string>&,
                      const std::optional<at::Tensor>&) {}
-void call_end_meta(const at::Tensor&, std::string_view, at::TensorList, const std::vector<std::string>&) {}
+void call_end_meta(const at::Tensor&, c10::string_view, at::TensorList, const std::vector<std::string>&) {}
 
 }  // namespace
 

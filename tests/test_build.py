@@ -138,6 +138,19 @@ def test_the_sdist_requires_any_torch_it_builds_against(sdist):
     assert "dynamic: requires-dist" in pkg_info.lower().splitlines()
 
 
+def test_the_ops_take_their_str_arguments_as_the_string_view_of_every_torch_the_sdist_builds_against():
+    # the sdist builds against torch>=2.4, whose op registration (m.impl of TORCH_LIBRARY_IMPL)
+    # takes a `str` argument only as c10::string_view, a class of its own there: a kernel that
+    # took std::string_view built against torch 2.11 and 2.13 (where the two are one type) and
+    # failed to compile against 2.4's headers
+    src = (ROOT / "csrc" / "compiled_ops.cpp").read_text()
+    kernels = sorted(set(re.findall(r'm\.impl\("\w+", &(\w+)\)', src)))
+    assert kernels == ["call_begin", "call_begin_meta", "call_end", "call_end_meta"]
+    for name in kernels:
+        params = re.search(rf"\bvoid {name}\(([^)]*)\)", src).group(1)
+        assert "c10::string_view" in params and "std::string_view" not in params, (name, params)
+
+
 def _sections(page: Path) -> set[str]:
     """The headings of a Markdown page and the leads of its bold paragraphs (``**Lead.**``)."""
     text = page.read_text()

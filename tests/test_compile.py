@@ -497,3 +497,34 @@ def test_parameters_of_a_submodule_compiled_alone_are_named_as_in_the_eager_mode
     assert list(tracker.parameters) == list(want)  # block.fc1.weight, not block._orig_mod.fc1.weight
     for name, p in want.items():
         assert torch.equal(tracker.parameters[name], p), name
+
+
+@pytest.mark.parametrize("torch_like", ["2.11", "2.13", "without allow_override"])
+def test_fake_implementations_register_beside_the_meta_kernels_under_each_torch(monkeypatch, torch_like):
+    """csrc/compiled_ops.cpp registers a Meta kernel for each op; torch 2.11's register_fake
+    refuses an op that has one unless given allow_override=True, 2.13's allows it by default,
+    and a torch without the argument refuses it always: the ops get their fake implementations
+    where torch takes them, and loading the package fails under none of them."""
+    from activationscope.capture import compiled
+
+    registered = []
+
+    def refuse_beside_meta(op, allow_override):
+        if not allow_override and torch._C._dispatch_has_kernel_for_dispatch_key(op, "Meta"):
+            raise RuntimeError(f"register_fake(...): the operator {op} already has an DispatchKey::Meta implementation")
+        return lambda fn: registered.append((op, fn))
+
+    if torch_like == "without allow_override":
+        def register_fake(op, func=None, /, *, lib=None, _stacklevel=1):
+            return refuse_beside_meta(op, False)
+    else:
+        def register_fake(op, func=None, /, *, lib=None, _stacklevel=1, allow_override=torch_like == "2.13"):
+            return refuse_beside_meta(op, allow_override)
+
+    monkeypatch.setattr(torch.library, "register_fake", register_fake)
+    monkeypatch.setattr(compiled, "_installed", False)
+    compiled.install()
+    assert compiled._installed
+    want = [("activationscope::call_begin", compiled._fake_call_begin),
+            ("activationscope::call_end", compiled._fake_call_end)]
+    assert registered == ([] if torch_like == "without allow_override" else want)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import itertools
 import types
 from typing import Any
@@ -304,6 +305,17 @@ def install() -> None:
     if _installed:
         return
     _C._set_traced_call(traced_call)
-    torch.library.register_fake("activationscope::call_begin")(_fake_call_begin)
-    torch.library.register_fake("activationscope::call_end")(_fake_call_end)
+    _register_fake("activationscope::call_begin", _fake_call_begin)
+    _register_fake("activationscope::call_end", _fake_call_end)
     _installed = True
+
+
+def _register_fake(qualname: str, fn: Any) -> None:
+    """Give the op ``qualname`` the fake implementation ``fn``, beside the Meta kernel that
+    csrc/compiled_ops.cpp registers for it. torch 2.13 allows that by default; torch 2.11
+    refuses it ("already has an DispatchKey::Meta implementation") unless asked with
+    ``allow_override=True``; a torch without that argument refuses it always and gets no fake
+    implementation (the Meta kernel traces the op alike: both do nothing)."""
+    if "allow_override" not in inspect.signature(torch.library.register_fake).parameters:
+        return
+    torch.library.register_fake(qualname, allow_override=True)(fn)

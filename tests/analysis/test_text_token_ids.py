@@ -162,8 +162,9 @@ def test_an_export_of_token_rows_names_each_token_by_its_id_and_leaves_the_text_
         tmp_path, capsys, file_format):
     # each token row carried its sample's whole text: an Arrow file many times the size of its
     # activations for long lines; now the token rows have token_ids, the sample rows the text
-    import datasets
     import pyarrow as pa
+
+    datasets = pytest.importorskip("datasets") if file_format == "hf" else None
 
     from activationscope.data import read_arrow
 
