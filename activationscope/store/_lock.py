@@ -359,16 +359,31 @@ class WriterLock:
         taken: the lock is the taking process's, and its file description is shared)."""
         if not self._held or os.getpid() != self._pid:
             return
-        self._held = False
+        try:
+            self._give_back()
+        except BaseException:
+            # interrupted partway (Ctrl-C): given back all the same (a marker left on object storage
+            # would refuse every writer of another host), then the interruption goes on
+            try:
+                self._give_back()
+            except Exception:  # noqa: BLE001 - the error stays the one raised
+                pass
+            raise
+
+    def _give_back(self) -> None:
+        """:meth:`release`'s steps, each marked done as it is done: running it again after an
+        interruption finishes what is left."""
         if self._fd is not None:
             import fcntl
 
-            fd, self._fd = self._fd, None
+            fd = self._fd
             try:
                 os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+                self._fd = None
+            self._held = False
             return
         try:
             raw = self.backend.get(LOCK_KEY, max_bytes=4096)
@@ -376,8 +391,8 @@ class WriterLock:
                 self.backend.delete(LOCK_KEY)
         except Exception:  # noqa: BLE001 - a marker we cannot delete only blocks later writers, who are told how
             pass
-        finally:
-            _HELD_TOKENS.discard(self.token)
+        _HELD_TOKENS.discard(self.token)
+        self._held = False
 
     def discard_root(self) -> None:
         """Release, leaving the target as it was found: the lock file goes when :meth:`acquire`
