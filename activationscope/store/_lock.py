@@ -303,9 +303,12 @@ class WriterLock:
     def _acquire_marker(self) -> None:
         b = self.backend
         for _ in range(5):
+            # (the token first: a Ctrl-C once the marker is written, before this returns, finds the
+            # marker this lock's, and acquire deletes it)
+            _HELD_TOKENS.add(self.token)
             if b.set_if_absent(LOCK_KEY, self._me()):
-                _HELD_TOKENS.add(self.token)
                 return
+            _HELD_TOKENS.discard(self.token)
             raw = b.get(LOCK_KEY, max_bytes=4096)
             if raw is None:  # released by its holder since (a writer that was refused, or closed): free again
                 continue
@@ -425,7 +428,14 @@ class WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.release()
-        else:  # refused or failed: the target is left as it was found (see discard_root)
-            self.discard_root()
+        try:
+            if exc[0] is None:
+                self.release()
+            else:  # refused or failed: the target is left as it was found (see discard_root)
+                self.discard_root()
+        except BaseException:  # interrupted (Ctrl-C) before that was done: done all the same
+            try:
+                (self.release if exc[0] is None else self.discard_root)()
+            except Exception:  # noqa: BLE001 - the error stays the one raised
+                pass
+            raise
