@@ -24,6 +24,10 @@ from activationscope.store.ranks import commit_ranks
 
 from acs_testing import InterruptAt, store_three_batches, toy_mlp
 
+# (a Ctrl-C raised in a weakref callback or a finalizer is printed and ignored by Python, as a
+# signal delivered there is: the operation goes on, and pytest reports the print)
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 class _Lines(InterruptAt):
     """Counts the line events as InterruptAt(None), and notes the first event of each line."""
