@@ -167,6 +167,7 @@ def test_ctrl_c_in_copy_store(tmp_path, source, where, overwrite):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 @pytest.mark.parametrize("where", ["local", "memory"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
 def test_ctrl_c_in_copy_store_every_line(tmp_path, source, where, overwrite):
@@ -224,6 +225,7 @@ def test_ctrl_c_in_consolidate(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 def test_ctrl_c_in_consolidate_every_line(tmp_path):
     _sweep_consolidate(tmp_path, every=True)
 
@@ -263,6 +265,7 @@ def test_ctrl_c_in_export(tmp_path, source, fmt):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 @pytest.mark.parametrize("fmt", sorted(_EXPORTS))
 def test_ctrl_c_in_export_every_line(tmp_path, source, fmt):
     _sweep_export(tmp_path, source, fmt, every=True)
@@ -321,5 +324,6 @@ def test_ctrl_c_in_a_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 def test_ctrl_c_in_a_resume_every_line(tmp_path):
     _sweep_resume(tmp_path, every=True)
