@@ -5,7 +5,7 @@ one intact, or an incomplete store; no lock blocks the rerun, no temporary file 
 the target, and the rerun's result is byte-identical to an uninterrupted run's.
 
 The interruption is raised at the first run of each distinct line of the library's code
-(``InterruptAt``); ``-m slow`` sweeps every line event."""
+(``InterruptAt``); with ``ACS_EVERY_LINE_SWEEPS=1`` the ``_every_line`` tests sweep every line event (minutes each)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ from acs_testing import InterruptAt, store_three_batches, toy_mlp
 # (a Ctrl-C raised in a weakref callback or a finalizer is printed and ignored by Python, as a
 # signal delivered there is: the operation goes on, and pytest reports the print)
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+# Every line event instead of each line once: thousands of interrupted runs, each with its
+# rerun (5 to 25 minutes a test), more than the suite's time allows: run on demand.
+_EVERY_LINE = pytest.mark.skipif(
+    os.environ.get("ACS_EVERY_LINE_SWEEPS") != "1",
+    reason="every-line Ctrl-C sweep (5-25 min each): set ACS_EVERY_LINE_SWEEPS=1 to run it")
 
 
 class _Lines(InterruptAt):
@@ -166,6 +173,7 @@ def test_ctrl_c_in_copy_store(tmp_path, source, where, overwrite):
     _sweep_copy(tmp_path, source, where, overwrite, every=False)
 
 
+@_EVERY_LINE
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 @pytest.mark.parametrize("where", ["local", "memory"])
@@ -224,6 +232,7 @@ def test_ctrl_c_in_consolidate(tmp_path):
     _sweep_consolidate(tmp_path, every=False)
 
 
+@_EVERY_LINE
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 def test_ctrl_c_in_consolidate_every_line(tmp_path):
@@ -264,6 +273,7 @@ def test_ctrl_c_in_export(tmp_path, source, fmt):
     _sweep_export(tmp_path, source, fmt, every=False)
 
 
+@_EVERY_LINE
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 @pytest.mark.parametrize("fmt", sorted(_EXPORTS))
@@ -323,6 +333,7 @@ def test_ctrl_c_in_a_resume(tmp_path):
     _sweep_resume(tmp_path, every=False)
 
 
+@_EVERY_LINE
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # (thousands of interrupted runs, each with its rerun)
 def test_ctrl_c_in_a_resume_every_line(tmp_path):
