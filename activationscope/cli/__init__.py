@@ -326,8 +326,51 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- entry point
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler ending a job: Slurm, ``timeout``, ``kill``), raised in the
+    command as a Ctrl-C is, so that it stops the same way: the rows committed kept, the store
+    left incomplete and unlocked, no temporary file left."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 error, 2 usage)."""
+    """Run the command line; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted
+    by Ctrl-C, 143 by SIGTERM).
+
+    While the command runs (in the main thread), SIGTERM stops it as Ctrl-C does: what was
+    committed is kept (a capture's store is left incomplete, for ``--resume``), and the status
+    is 143; the handler before is put back when it returns."""
+    try:
+        before = _raise_on_sigterm()
+        try:
+            return _main(argv)
+        finally:
+            if before is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, before)
+    except KeyboardInterrupt as e:  # (before the command ran: its arguments read; nothing was done)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if a in _COMMANDS), None)
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(f"{PROG}{f' {command}' if command else ''}: {how}", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+
+
+def _raise_on_sigterm() -> Any:
+    """Make SIGTERM raise :class:`_Terminated` (in the main thread only: elsewhere no handler
+    can be set); the handler it replaces, or None."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _terminate)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
     for p in (parser, *next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.values()):
@@ -351,8 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args) or 0
     except KeyboardInterrupt as e:
         notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
-        print(_printable(f"{PROG} {args.command}: interrupted{_cli_spelling(notes, args.command)}"), file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(_printable(f"{PROG} {args.command}: {how}{_cli_spelling(notes, args.command)}"), file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
     except BrokenPipeError:
         return 1
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes

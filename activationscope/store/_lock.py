@@ -303,9 +303,12 @@ class WriterLock:
     def _acquire_marker(self) -> None:
         b = self.backend
         for _ in range(5):
+            # (the token first: a Ctrl-C once the marker is written, before this returns, finds the
+            # marker this lock's, and acquire deletes it)
+            _HELD_TOKENS.add(self.token)
             if b.set_if_absent(LOCK_KEY, self._me()):
-                _HELD_TOKENS.add(self.token)
                 return
+            _HELD_TOKENS.discard(self.token)
             raw = b.get(LOCK_KEY, max_bytes=4096)
             if raw is None:  # released by its holder since (a writer that was refused, or closed): free again
                 continue
@@ -359,16 +362,31 @@ class WriterLock:
         taken: the lock is the taking process's, and its file description is shared)."""
         if not self._held or os.getpid() != self._pid:
             return
-        self._held = False
+        try:
+            self._give_back()
+        except BaseException:
+            # interrupted partway (Ctrl-C): given back all the same (a marker left on object storage
+            # would refuse every writer of another host), then the interruption goes on
+            try:
+                self._give_back()
+            except Exception:  # noqa: BLE001 - the error stays the one raised
+                pass
+            raise
+
+    def _give_back(self) -> None:
+        """:meth:`release`'s steps, each marked done as it is done: running it again after an
+        interruption finishes what is left."""
         if self._fd is not None:
             import fcntl
 
-            fd, self._fd = self._fd, None
+            fd = self._fd
             try:
                 os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+                self._fd = None
+            self._held = False
             return
         try:
             raw = self.backend.get(LOCK_KEY, max_bytes=4096)
@@ -376,8 +394,8 @@ class WriterLock:
                 self.backend.delete(LOCK_KEY)
         except Exception:  # noqa: BLE001 - a marker we cannot delete only blocks later writers, who are told how
             pass
-        finally:
-            _HELD_TOKENS.discard(self.token)
+        _HELD_TOKENS.discard(self.token)
+        self._held = False
 
     def discard_root(self) -> None:
         """Release, leaving the target as it was found: the lock file goes when :meth:`acquire`
@@ -410,7 +428,14 @@ class WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.release()
-        else:  # refused or failed: the target is left as it was found (see discard_root)
-            self.discard_root()
+        try:
+            if exc[0] is None:
+                self.release()
+            else:  # refused or failed: the target is left as it was found (see discard_root)
+                self.discard_root()
+        except BaseException:  # interrupted (Ctrl-C) before that was done: done all the same
+            try:
+                (self.release if exc[0] is None else self.discard_root)()
+            except Exception:  # noqa: BLE001 - the error stays the one raised
+                pass
+            raise

@@ -1,0 +1,185 @@
+"""Ctrl-C and SIGTERM in the command line: the command exits 130 (143 for SIGTERM) with one
+line on stderr, no traceback, and leaves the stores as the library does (tests/test_interrupt_tools.py);
+running it again completes it. Ctrl-C is raised at lines of the library's code, ``InterruptAt``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope import cli
+
+from acs_testing import InterruptAt
+from test_interrupt_tools import _Lines, _rank_stores, _tree, _without_times
+
+NETS = """
+import os
+import signal
+
+import torch
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+
+class Terminated(torch.nn.Module):
+    # mlp(), sent SIGTERM (what a batch scheduler, Slurm or timeout, sends) by its forward
+    # number $TERMINATE_AT (1: the first; unset: never)
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.n = mlp(), 0
+
+    def forward(self, x):
+        self.n += 1
+        if self.n == int(os.environ.get("TERMINATE_AT", 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.inner(x)
+
+
+def terminated():
+    return Terminated()
+"""
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _sweep(capsys, argv, before, after, most=60):
+    """Run the command ``argv`` interrupted at ``most`` lines spread over those it runs (each
+    after ``before()``), check its exit and message, then ``after(where)``."""
+    before()
+    assert _run(capsys, *argv)[0] == 0  # (first use: lazy imports)
+    before()
+    with _Lines() as lines:
+        assert _run(capsys, *argv)[0] == 0
+    step = -(-len(lines.first) // most)
+    for k in lines.first[::step]:
+        before()
+        with InterruptAt(k) as where:
+            code, err = _run(capsys, *argv)
+        if where.where is None:  # (finished before line k: the lines a run takes vary a little)
+            continue
+        assert code == 130 and err.count("\n") == 1 and "Traceback" not in err, (where.where, err)
+        assert err.startswith(f"activationscope {argv[0]}: interrupted"), (where.where, err)
+        after(where.where)
+
+
+@pytest.fixture
+def toy(tmp_path, user_package):
+    x = user_package("clinets", NETS, data=(12, 6, 0))
+    ref = tmp_path / "ref.zarr"
+    assert cli.main(["capture", "--model", "clinets.nets:mlp", "--data", str(x), "--out", str(ref),
+                     "--batch-size", "4", "--no-progress"]) == 0
+    return x, ref
+
+
+def _same_rows(path, ref) -> bool:
+    a, b = acs.open_store(path), acs.open_store(ref)
+    return a.status == "complete" and a.hook_points == b.hook_points and all(
+        torch.equal(a[hp], b[hp]) for hp in b.hook_points) and a.row_table("sample") == b.row_table("sample")
+
+
+def test_ctrl_c_in_cli_capture(tmp_path, toy, capsys):
+    x, ref = toy
+    out = tmp_path / "out.zarr"
+    argv = ["capture", "--model", "clinets.nets:mlp", "--data", x, "--out", out, "--batch-size", "4", "--no-progress"]
+
+    def before():
+        shutil.rmtree(out, ignore_errors=True)
+
+    def after(where):
+        if (out / "zarr.json").exists():  # the rows committed: an incomplete store, resumed
+            assert acs.open_store(out).status in ("incomplete", "complete"), where
+            code, err = _run(capsys, *argv, "--resume")
+        else:  # none: no store left there, nor a lock
+            code, err = _run(capsys, *argv)
+        assert code == 0, (where, err)
+        assert _same_rows(out, ref), where
+
+    _sweep(capsys, argv, before, after, most=30)
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_ctrl_c_in_cli_info_and_verify(toy, capsys, command):
+    _, ref = toy
+    want = _tree(ref)
+
+    def after(where):
+        assert _tree(ref) == want, where
+
+    _sweep(capsys, [command, ref], lambda: None, after)
+
+
+def test_ctrl_c_in_cli_consolidate(tmp_path, capsys):
+    template, path, reference = (tmp_path / f"{name}.zarr" for name in ("template", "run", "reference"))
+    _rank_stores(template)
+    shutil.copytree(template, reference)
+    assert _run(capsys, "consolidate", reference)[0] == 0
+    want = _without_times(_tree(reference))
+
+    def before():
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(template, path)
+
+    def after(where):
+        assert _run(capsys, "consolidate", path)[0] == 0, where
+        assert _without_times(_tree(path)) == want, where
+
+    _sweep(capsys, ["consolidate", path], before, after, most=20)
+
+
+def test_ctrl_c_in_cli_export(tmp_path, toy, capsys):
+    _, ref = toy
+    out = tmp_path / "rows.parquet"
+    argv = ["export", ref, "--format", "parquet", "--out", out]
+    assert _run(capsys, *argv)[0] == 0
+    want = out.read_bytes()
+
+    def after(where):
+        assert not out.exists() or out.read_bytes() == want, where
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("rows")) in ([], ["rows.parquet"]), where
+        assert _run(capsys, *argv)[0] == 0 and out.read_bytes() == want, where
+
+    _sweep(capsys, argv, lambda: out.unlink(missing_ok=True), after)
+
+
+def test_sigterm_stops_a_cli_capture_as_ctrl_c_does(tmp_path, user_package, capsys, monkeypatch):
+    # killed by SIGTERM (Python's default), a capture lost every row it had not committed, left its
+    # temporary files in the store and ended without a word; now SIGTERM stops it as Ctrl-C does:
+    # the forwards before are committed, the store is left incomplete for --resume, status 143
+    x = user_package("clinets", NETS, data=(20, 6, 0))
+    argv = ["capture", "--model", "clinets.nets:terminated", "--data", str(x), "--batch-size", "4", "--no-progress",
+            "--shard-bytes", "128"]
+    monkeypatch.delenv("TERMINATE_AT", raising=False)
+    assert cli.main([*argv, "--out", str(tmp_path / "ref.zarr")]) == 0
+    out = tmp_path / "out.zarr"
+    env = dict(os.environ, TERMINATE_AT="3",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(acs.__file__)), str(tmp_path)]))
+    done = subprocess.run([sys.executable, "-m", "activationscope", *argv, "--out", str(out)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("activationscope capture: terminated (SIGTERM)") and done.stderr.count("\n") == 1
+    st = acs.open_store(out)
+    assert st.status == "incomplete" and st.n_samples == 8  # the two forwards before the third
+    assert [p.name for p in out.rglob("*.tmp")] == []
+    assert cli.main([*argv, "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    assert _same_rows(out, tmp_path / "ref.zarr")
+
+
+def test_the_sigterm_handler_before_a_command_is_put_back(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["info", "no-such.zarr"]) == 1
+    assert signal.getsignal(signal.SIGTERM) is before
