@@ -19,6 +19,7 @@ import torch
 import activationscope as acs
 import reduced_child
 from activationscope.errors import StoreError
+from activationscope.reductions import EagerFallbackWarning
 from activationscope.store import open_store
 
 HERE = Path(__file__).parent
@@ -197,7 +198,8 @@ def test_a_resume_that_captures_no_forward(tmp_path, reference):
         scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
                                     reductions=reduced_child.REDUCTIONS + extra, store_options={"resume": True})
         if refused:
-            with pytest.raises(StoreError, match=r"its reduction 'std' of hook point '\w+.output' has no state"):
+            with pytest.raises(StoreError, match=r"its hook point '\w+.output' holds no reduction 'std' \(it holds "
+                                                 r"\['max', 'mean', .*\]\), and a reduction cannot be added"):
                 with scope.track(model):
                     pass
         else:
@@ -206,6 +208,52 @@ def test_a_resume_that_captures_no_forward(tmp_path, reference):
         assert _files(path) == before
     _assert_equal_stores(open_store(path), reference)
     reduced_child.capture(str(path), N_BATCHES)  # the lock was let go: a resume opens it
+
+
+def test_a_resume_that_captures_no_forward_and_leaves_a_reduction_out_is_refused(tmp_path):
+    # as a resume with forwards is: the store would list reductions the capture never continued
+    path = tmp_path / "r.zarr"
+    reduced_child.capture(str(path), 2)
+    before = _files(path)
+    torch.manual_seed(0)
+    model = reduced_child.MLP().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                reductions=["mean"], store_options={"resume": True})
+    with pytest.raises(StoreError, match=r"its reductions \['max', 'min', 'ss', 'top', 'var'\] of hook point "
+                                         r"'\w+.output' are not among this capture's reductions \(\['mean'\]\)"):
+        with scope.track(model):
+            pass
+    assert _files(path) == before
+
+
+_SCALE = 0.5  # a global float: TorchScript cannot compile a function reading it
+
+
+def _scaled_sum(acc, x):
+    s = x.double().sum(0) * _SCALE
+    return s if acc is None else acc + s
+
+
+def test_a_resume_of_an_eager_reduction_says_why_it_cannot_continue(tmp_path):
+    path = tmp_path / "r.zarr"
+    torch.manual_seed(0)
+    model = reduced_child.MLP().eval()
+    xs = reduced_child.batches_mlp(n_batches=2, batch=reduced_child.BATCH)
+
+    def capture(resume):
+        scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                    reductions={"fc1.output": ["mean", _scaled_sum]}, store_options={"resume": resume})
+        with scope.track(model), torch.no_grad():
+            model(xs[int(resume)])
+
+    with pytest.warns(EagerFallbackWarning):
+        capture(False)
+    before = _files(path)
+    with pytest.raises(
+            StoreError, match=r"its reduction '_scaled_sum' of hook point 'fc1.output' runs as eager Python .*"
+                              r"never continued.*Make the function TorchScript-compatible"):
+        capture(True)
+    assert _files(path) == before
 
 
 def test_a_resume_where_reductions_apply_to_some_hook_points(tmp_path):
