@@ -373,6 +373,24 @@ def test_cli_messages_name_the_command_flags(tmp_path, capsys):
         assert "without reduction_policy" not in err, err
 
 
+def test_a_stopped_capture_says_what_the_store_keeps(tmp_path):
+    # the line the command prints after Ctrl-C, SIGTERM or an error: no row, its reductions
+    from activationscope.analysis.capture_run import _what_is_kept
+
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    with pytest.raises(RuntimeError, match="stop"):
+        with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model) \
+                as tracker, torch.no_grad():
+            for x, mask in _batches(2):
+                tracker.set_batch(attention_mask=mask)
+                model(x)
+            raise RuntimeError("stop")
+    assert open_store(path).status == "incomplete"
+    assert _what_is_kept(str(path)) == (f"{path} keeps the reductions of the samples committed before (6 samples, "
+                                        "status incomplete; --resume continues it)")
+
+
 def test_commits_wait_for_ten_times_the_time_their_states_took(tmp_path):
     # each commit writes every reduction's state (a cov of wide rows: megabytes): a store that keeps
     # reductions only commits no more often than STATE_WRITE_SHARE times the time that took
