@@ -1234,6 +1234,14 @@ class Tracker:
                     "store_options={'process_group': False} (each rank its own path), or store the rows (leave "
                     "reduction_policy out); nothing was written"
                 )
+            if self._reductions_only and self._red_factories is not None:
+                eager = self._red_factories.eager_reductions(self.scope.reductions)
+                if eager:  # (said before the capture, not at a resume after a kill)
+                    warn_at_caller(
+                        f"custom reduction(s) {eager} run as eager Python (TorchScript could not compile them), and "
+                        f"the store {str(self.scope.store)!r} keeps reductions only: an eager reduction's stored state "
+                        "is never continued, so a resume of this store after a kill or an error is refused. Make "
+                        "them TorchScript-compatible for a store that can be resumed", CaptureWarning)
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
                 bad = self._red_factories.unmergeable_reductions(self.scope.reductions)

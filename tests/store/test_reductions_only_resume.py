@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -246,10 +247,15 @@ def test_a_resume_of_an_eager_reduction_says_why_it_cannot_continue(tmp_path):
         with scope.track(model), torch.no_grad():
             model(xs[int(resume)])
 
-    with pytest.warns(EagerFallbackWarning):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         capture(False)
+    said = [str(w.message) for w in caught if w.category is acs.CaptureWarning]
+    assert EagerFallbackWarning in [w.category for w in caught]
+    assert len(said) == 1 and said[0].startswith("custom reduction(s) ['_scaled_sum'] run as eager Python") \
+        and "a resume of this store after a kill or an error is refused" in said[0], said
     before = _files(path)
-    with pytest.raises(
+    with pytest.warns(acs.CaptureWarning, match="run as eager Python"), pytest.raises(
             StoreError, match=r"its reduction '_scaled_sum' of hook point 'fc1.output' runs as eager Python .*"
                               r"never continued.*Make the function TorchScript-compatible"):
         capture(True)
