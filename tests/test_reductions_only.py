@@ -345,6 +345,52 @@ def test_cli_resume_equals_an_uninterrupted_capture(tmp_path, capsys):
     assert "stores activation rows, and one store cannot hold both" in capsys.readouterr().err
 
 
+def test_cli_messages_name_the_command_flags(tmp_path, capsys):
+    from activationscope.cli import main
+
+    out = tmp_path / "r.zarr"
+    args = ["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reductions-only",
+            "--max-samples", "4", "--no-progress"]
+    assert main([*args, "--reduce", "mean,var"]) == 0
+    capsys.readouterr()
+    # nothing left to capture: the stored reductions are kept, not computed over rows it has not
+    assert main([*args, "--reduce", "mean,var", "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "nothing to capture; reductions ['mean', 'var'] of 12 hook point(s) kept as stored" in said
+    assert "computed over the stored rows" not in said
+    # a refused resume gives the fix in flags
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert main([*args, "--reduce", "mean,var,l2", "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "holds no reduction 'l2'" in err and "resume with the same --model, --reduce and --dtype, or capture " \
+        "again with --overwrite" in err and "store_options" not in err
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    for command in (["export", str(out), "--format", "parquet", "--out", str(tmp_path / "x.parquet")],
+                    ["report", str(out), "--out", str(tmp_path / "report")]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert "to store rows, capture again without --reductions-only" in err, err
+        assert "without reduction_policy" not in err, err
+
+
+def test_a_stopped_capture_says_what_the_store_keeps(tmp_path):
+    # the line the command prints after Ctrl-C, SIGTERM or an error: no row, its reductions
+    from activationscope.analysis.capture_run import _what_is_kept
+
+    path = tmp_path / "r.zarr"
+    model = _Tokens().eval()
+    with pytest.raises(RuntimeError, match="stop"):
+        with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model) \
+                as tracker, torch.no_grad():
+            for x, mask in _batches(2):
+                tracker.set_batch(attention_mask=mask)
+                model(x)
+            raise RuntimeError("stop")
+    assert open_store(path).status == "incomplete"
+    assert _what_is_kept(str(path)) == (f"{path} keeps the reductions of the samples committed before (6 samples, "
+                                        "status incomplete; --resume continues it)")
+
+
 def test_commits_wait_for_ten_times_the_time_their_states_took(tmp_path):
     # each commit writes every reduction's state (a cov of wide rows: megabytes): a store that keeps
     # reductions only commits no more often than STATE_WRITE_SHARE times the time that took

@@ -348,7 +348,7 @@ def _what_is_kept(out: Any, resumable: bool = True) -> str:
     try:
         store = open_store(out)
         try:
-            status, n = store.status, int(store.n_samples)
+            status, n, rows = store.status, int(store.n_samples), store.rows_stored
         finally:
             store.close()
     except Exception:  # noqa: BLE001 - the failure itself is what the caller reports
@@ -356,6 +356,8 @@ def _what_is_kept(out: Any, resumable: bool = True) -> str:
     if status == "complete":
         return f"{out} keeps its {n} committed samples (status complete)"
     fix = "--resume continues it" if resumable else "a rerun replaces it"
+    if not rows:  # (a store that keeps reductions only holds no row: its reductions cover the committed samples)
+        return f"{out} keeps the reductions of the samples committed before ({n} samples, status {status}; {fix})"
     return f"{out} keeps the rows committed before ({n} samples, status {status}; {fix})"
 
 

@@ -1055,6 +1055,24 @@ def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequenc
     return out
 
 
+def eager_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> list[str]:
+    """Names of the custom reductions of a scope's ``reductions=`` argument that run as eager
+    Python (:class:`EagerReduction`: TorchScript could not compile them), in the order given.
+
+    A store that keeps reductions only never continues such a reduction's stored state (no
+    program tells that a resumed function is the same one), so its capture cannot be resumed.
+    """
+    if not reductions:
+        return []
+    specs = [s for v in reductions.values() for s in _as_list(v)] if isinstance(reductions, Mapping) else _as_list(reductions)
+    out: list[str] = []
+    for item in specs:
+        f = _factory(item)
+        if not f.is_builtin and f.name not in out and isinstance(f(), EagerReduction):
+            out.append(f.name)
+    return out
+
+
 def reductions_for(
     reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None], hook_point: str
 ) -> list[tuple[str, ReductionLike]]:

@@ -1234,6 +1234,14 @@ class Tracker:
                     "store_options={'process_group': False} (each rank its own path), or store the rows (leave "
                     "reduction_policy out); nothing was written"
                 )
+            if self._reductions_only and self._red_factories is not None:
+                eager = self._red_factories.eager_reductions(self.scope.reductions)
+                if eager:  # (said before the capture, not at a resume after a kill)
+                    warn_at_caller(
+                        f"custom reduction(s) {eager} run as eager Python (TorchScript could not compile them), and "
+                        f"the store {str(self.scope.store)!r} keeps reductions only: an eager reduction's stored state "
+                        "is never continued, so a resume of this store after a kill or an error is refused. Make "
+                        "them TorchScript-compatible for a store that can be resumed", CaptureWarning)
             if self._red_factories is not None and merges_reductions(self.scope.store, self.scope.store_options):
                 # a multi-rank capture merges every rank's reduction states when it commits
                 bad = self._red_factories.unmergeable_reductions(self.scope.reductions)
@@ -2539,6 +2547,8 @@ class Tracker:
                 self._reduction_names[name] = names
                 self._reduction_objects[name] = objects
                 self._resume_reductions(name, None)
+        if self._reductions_only:  # (a stored reduction left out is refused, as after a resumed forward)
+            self._check_reductions_continued()
 
     def _check_reduction_patterns(self, hook_points: list[str], source: str) -> None:
         """A ``reductions=`` or ``token_rows=`` pattern that selects none of ``hook_points``
@@ -2622,11 +2632,22 @@ class Tracker:
                       else {"script": getattr(red, "script_bytes", None) or getattr(red, "script_path", None)})
             saved = self.writer.stored_reduction_state(name, red_name, kind, dict(options or {}), **custom)
             if self._reductions_only and (saved is None or saved[1] != committed):
-                self._refuse_reduced_resume(
-                    f"its reduction {red_name!r} of hook point {name!r} "
-                    + ("has no state this capture's reduction can continue (another kind, other options or another "
-                       "program, or files that fail their checks)" if saved is None else
-                       f"covers {saved[1]} of the {committed} rows it reduced"))
+                held = (getattr(self.writer, "stored_reductions", None) or {}).get(name) or []
+                if saved is None and red_name not in held:  # (added on resume: no state, and no row to start from)
+                    why = (f"its hook point {name!r} holds no reduction {red_name!r} (it holds {held}), and a reduction "
+                           "cannot be added to a store that keeps reductions only")
+                elif saved is None and kind == "eager":  # (no program to tell that the function is the same one)
+                    why = (f"its reduction {red_name!r} of hook point {name!r} runs as eager Python (TorchScript could "
+                           "not compile it; see its EagerFallbackWarning), and an eager reduction's stored state is "
+                           "never continued: no program tells that the function is the one that made it. Make the "
+                           "function TorchScript-compatible for a store that can be resumed")
+                elif saved is None:
+                    why = (f"its reduction {red_name!r} of hook point {name!r} has no state this capture's reduction "
+                           "can continue (another kind, other options or another program, or files that fail their "
+                           "checks)")
+                else:
+                    why = f"its reduction {red_name!r} of hook point {name!r} covers {saved[1]} of the {committed} rows it reduced"
+                self._refuse_reduced_resume(why)
             if saved is not None and saved[1] <= committed:
                 red.load_state(saved[0])
                 start = saved[1]

@@ -498,6 +498,8 @@ _CLI_SPELLINGS = (
     ("(none committed, or none selected by rows= / filter= / sample_ids=)", "(none committed)"),
     ("select some rows, or use export_parquet / export_arrow, which write an empty table",
      "--format parquet and --format arrow write an empty table"),
+    # a store that keeps reductions only (store.reader, capture.scope): the fix in the command's flags
+    ("to store rows, capture again without reduction_policy", "to store rows, capture again without --reductions-only"),
 )
 
 
@@ -561,6 +563,11 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
                                   "this capture captures every forward (the command line has no capture policy), ")
         message = re.sub(r"\bresume with (capture_policy=CapturePolicy\.\w+(?:, \w+=\d+)?) \(the resumed forwards "
                          r"then continue its rule\)", r"resume it from Python with \1", message)
+        # the refused resume of a store that keeps reductions only (capture.scope)
+        message = message.replace(
+            "resume with the same model, reductions= and storage_dtype, or capture again with "
+            "store_options={'overwrite': True}",
+            "resume with the same --model, --reduce and --dtype, or capture again with --overwrite")
         # sink.cpp's refusals of a cast: "storage_dtype=torch.float16 turns finite values into inf"
         message = re.sub(r"\bstorage_dtype=torch\.(\w+) (turns finite values|changes its integers)", r"--dtype \1 \2",
                          message)
@@ -739,6 +746,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
                    "hook point(s)") if summary.reduced_hook_points else ""
+        if summary.reduced_hook_points and args.reductions_only:  # (no row to compute them over: kept as stored)
+            reduced = (f"; reductions {args.reduce} of {len(summary.reduced_hook_points)} hook point(s) kept as "
+                       "stored (they cover every sample)")
         completed = ("; it was incomplete (its run stopped before closing) and is now marked complete"
                      if summary.completed else "")
         print(f"store {args.out} already holds {summary.first_sample} samples of {summary.n_target}; "

@@ -4,6 +4,7 @@ new files before the root lists them (FORMAT.md section 11)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 import activationscope as acs
 import reduced_child
 from activationscope.errors import StoreError
+from activationscope.reductions import EagerFallbackWarning
 from activationscope.store import open_store
 
 HERE = Path(__file__).parent
@@ -60,6 +63,12 @@ def _commit_folders(path: Path) -> set[str]:
 def _files(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
             and p.name != ".activationscope-writer.lock"}
+
+
+def _root_but_updated(document: bytes) -> dict:
+    root = json.loads(document)
+    root["attributes"]["activationscope"].pop("updated")
+    return root
 
 
 def _assert_equal_stores(a, b):
@@ -190,22 +199,77 @@ def test_a_resume_that_captures_no_forward(tmp_path, reference):
     # reduction added then cannot be computed (no row) and is refused, the store left as it was
     path = tmp_path / "r.zarr"
     reduced_child.capture(str(path), N_BATCHES)
-    before = _files(path)
+    first = before = _files(path)
     torch.manual_seed(0)
     model = reduced_child.MLP().eval()
     for extra, refused in (([], False), (["std"], True)):
         scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
                                     reductions=reduced_child.REDUCTIONS + extra, store_options={"resume": True})
         if refused:
-            with pytest.raises(StoreError, match=r"its reduction 'std' of hook point '\w+.output' has no state"):
+            with pytest.raises(StoreError, match=r"its hook point '\w+.output' holds no reduction 'std' \(it holds "
+                                                 r"\['max', 'mean', .*\]\), and a reduction cannot be added"):
                 with scope.track(model):
                     pass
         else:
             with scope.track(model):
                 pass
+            # (its close writes the root again, the same but for the time it was `updated`)
+            before = _files(path)
+            assert _root_but_updated(before["zarr.json"]) == _root_but_updated(first["zarr.json"])
         assert _files(path) == before
     _assert_equal_stores(open_store(path), reference)
     reduced_child.capture(str(path), N_BATCHES)  # the lock was let go: a resume opens it
+
+
+def test_a_resume_that_captures_no_forward_and_leaves_a_reduction_out_is_refused(tmp_path):
+    # as a resume with forwards is: the store would list reductions the capture never continued
+    path = tmp_path / "r.zarr"
+    reduced_child.capture(str(path), 2)
+    before = _files(path)
+    torch.manual_seed(0)
+    model = reduced_child.MLP().eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                reductions=["mean"], store_options={"resume": True})
+    with pytest.raises(StoreError, match=r"its reductions \['max', 'min', 'ss', 'top', 'var'\] of hook point "
+                                         r"'\w+.output' are not among this capture's reductions \(\['mean'\]\)"):
+        with scope.track(model):
+            pass
+    assert _files(path) == before
+
+
+_SCALE = 0.5  # a global float: TorchScript cannot compile a function reading it
+
+
+def _scaled_sum(acc, x):
+    s = x.double().sum(0) * _SCALE
+    return s if acc is None else acc + s
+
+
+def test_a_resume_of_an_eager_reduction_says_why_it_cannot_continue(tmp_path):
+    path = tmp_path / "r.zarr"
+    torch.manual_seed(0)
+    model = reduced_child.MLP().eval()
+    xs = reduced_child.batches_mlp(n_batches=2, batch=reduced_child.BATCH)
+
+    def capture(resume):
+        scope = acs.ActivationScope(store=str(path), reduction_policy=acs.ReductionPolicy.STREAMING,
+                                    reductions={"fc1.output": ["mean", _scaled_sum]}, store_options={"resume": resume})
+        with scope.track(model), torch.no_grad():
+            model(xs[int(resume)])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture(False)
+    said = [str(w.message) for w in caught if w.category is acs.CaptureWarning]
+    assert EagerFallbackWarning in [w.category for w in caught]
+    assert len(said) == 1 and said[0].startswith("custom reduction(s) ['_scaled_sum'] run as eager Python") \
+        and "a resume of this store after a kill or an error is refused" in said[0], said
+    before = _files(path)
+    with pytest.warns(acs.CaptureWarning, match="run as eager Python"), pytest.raises(
+            StoreError, match=r"its reduction '_scaled_sum' of hook point 'fc1.output' runs as eager Python .*"
+                              r"never continued.*Make the function TorchScript-compatible"):
+        capture(True)
+    assert _files(path) == before
 
 
 def test_a_resume_where_reductions_apply_to_some_hook_points(tmp_path):
