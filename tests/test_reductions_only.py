@@ -529,3 +529,23 @@ def test_reduced_rows_never_go_back_below_the_committed_count(tmp_path):
     w.close()
     reduced = open_store(tmp_path / "r.zarr").reduced
     assert (reduced["a.output"]["n_rows"], reduced["b.output"]["n_rows"]) == (9, 6)
+
+
+def test_a_resume_with_other_hook_points_names_reductions_not_arrays(tmp_path):
+    # the store has no arrays: the refusal says why in its terms (every reduction covers every sample)
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
+            torch.no_grad():
+        model(torch.randn(3, 4))
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"resume": True})
+    with pytest.raises(CaptureError) as e:
+        with scope.track(model, include=["0"]), torch.no_grad():
+            model(torch.randn(3, 4))
+    msg = str(e.value)
+    assert "it holds ['1.output'] which this capture does not give" in msg, msg
+    assert "every reduction of a store that keeps reductions only must cover every sample" in msg, msg
+    assert "array" not in msg, msg
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before

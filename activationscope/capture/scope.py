@@ -1526,9 +1526,11 @@ class Tracker:
             parts.append(f"it holds {_names(missing)} which this capture does not give")
         if extra:
             parts.append(f"this capture gives {_names(extra)} which it does not hold")
+        what = ("reduction of a store that keeps reductions only" if getattr(self.writer, "reductions_only", False)
+                else "array of a store")
         self._refused = (
             f"cannot resume {self.writer.path!r} with other hook points than it holds ({'; '.join(parts)}); every "
-            f"array of a store must cover every sample, so a resumed capture gives exactly the stored hook points "
+            f"{what} must cover every sample, so a resumed capture gives exactly the stored hook points "
             f"({_names(stored)}): resume with the same include=/exclude=/capture= as the first run, or write the "
             "other hook points into a new store (the store is left as it was)"
         )
