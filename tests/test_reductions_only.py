@@ -549,3 +549,27 @@ def test_a_resume_with_other_hook_points_names_reductions_not_arrays(tmp_path):
     assert "every reduction of a store that keeps reductions only must cover every sample" in msg, msg
     assert "array" not in msg, msg
     assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+
+
+def test_a_resume_refused_for_a_damaged_state_points_to_verify(tmp_path):
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with scope.track(model), torch.no_grad():
+        model(torch.randn(3, 4))
+    states = [p for p in (path / "reductions").rglob("*") if p.is_file() and "__c" in str(p.relative_to(path))
+              and p.name != "zarr.json"]
+    assert states, sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+    data = bytearray(states[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states[0].write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    again = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                                store_options={"resume": True})
+    with pytest.raises(acs.ActivationScopeError) as e:
+        with again.track(model), torch.no_grad():
+            model(torch.randn(3, 4))
+    msg = str(e.value)
+    assert "files that fail their checks" in msg and f"activationscope verify {path}" in msg, msg
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    assert open_store(path).verify(), "verify names the damaged file"

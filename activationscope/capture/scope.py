@@ -2646,7 +2646,7 @@ class Tracker:
                 elif saved is None:
                     why = (f"its reduction {red_name!r} of hook point {name!r} has no state this capture's reduction "
                            "can continue (another kind, other options or another program, or files that fail their "
-                           "checks)")
+                           f"checks: `activationscope verify {self.writer.path}` names them)")
                 else:
                     why = f"its reduction {red_name!r} of hook point {name!r} covers {saved[1]} of the {committed} rows it reduced"
                 self._refuse_reduced_resume(why)
