@@ -48,6 +48,20 @@ def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _files(path: Path) -> dict:
+    """Every file of the store at ``path`` and its bytes."""
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _two_layers_reduced(path: Path) -> torch.nn.Module:
+    """A two-layer model whose means went into a reductions-only store at ``path``, one forward."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
+            torch.no_grad():
+        model(torch.randn(3, 4))
+    return model
+
+
 def _capture(model, target, batches, **kw):
     with kw.pop("scope", None) or acs.ActivationScope(store=target, **kw).track(model) as tracker, torch.no_grad():
         for x, mask in batches:
@@ -180,21 +194,21 @@ def test_a_store_of_rows_and_one_of_reductions_only_never_resume_each_other(tmp_
     path = tmp_path / "r.zarr"
     model = _Tokens().eval()
     _capture(model, str(path), _batches(2), reduction_policy=STREAMING, reductions=["mean"])
-    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    before = _files(path)
     scope = acs.ActivationScope(store=str(path), store_options={"resume": True}, reductions=["mean"])
     with pytest.raises(StoreError, match=r"cannot resume .*it keeps reductions only.*this capture stores activation "
                                          r"rows.*nothing was changed.*'overwrite': True"):
         scope.track(model).attach()
-    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    assert _files(path) == before
     # a capture that keeps reductions only never continues a store of rows
     rows = tmp_path / "rows.zarr"
     _capture(model, str(rows), _batches(1), reductions=["mean"])
-    before = {p: p.read_bytes() for p in sorted(rows.rglob("*")) if p.is_file()}
+    before = _files(rows)
     scope = acs.ActivationScope(store=str(rows), store_options={"resume": True}, reduction_policy=STREAMING,
                                 reductions=["mean"])
     with pytest.raises(StoreError, match=r"it stores activation rows, and this capture keeps reductions only"):
         scope.track(model).attach()
-    assert {p: p.read_bytes() for p in sorted(rows.rglob("*")) if p.is_file()} == before
+    assert _files(rows) == before
     # overwrite replaces it, either way
     _capture(model, str(path), _batches(1), reductions=["mean"], store_options={"overwrite": True})
     assert open_store(path).rows_stored and open_store(path).n_rows("pool.output") == 3
@@ -317,11 +331,11 @@ def test_cli_capture_info_and_verify(tmp_path, capsys):
     assert "--reductions-only keeps the reductions only, and no --reduce was given" in capsys.readouterr().err
     assert not (tmp_path / "n.zarr").exists()
     # its resume needs --reductions-only; the store is left as it was
-    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before = _files(out)
     assert main(["capture", "--model", "demo", "--data", "demo", "--out", str(out), "--reduce", "mean,var",
                  "--resume", "--max-samples", "16", "--no-progress"]) != 0
     assert "keeps reductions only (captured with --reductions-only): pass --reductions-only" in capsys.readouterr().err
-    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert _files(out) == before
 
 
 def test_cli_resume_equals_an_uninterrupted_capture(tmp_path, capsys):
@@ -359,12 +373,12 @@ def test_cli_messages_name_the_command_flags(tmp_path, capsys):
     assert "nothing to capture; reductions ['mean', 'var'] of 12 hook point(s) kept as stored" in said
     assert "computed over the stored rows" not in said
     # a refused resume gives the fix in flags
-    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before = _files(out)
     assert main([*args, "--reduce", "mean,var,l2", "--resume"]) == 1
     err = capsys.readouterr().err
     assert "holds no reduction 'l2'" in err and "resume with the same --model, --reduce and --dtype, or capture " \
         "again with --overwrite" in err and "store_options" not in err
-    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert _files(out) == before
     for command in (["export", str(out), "--format", "parquet", "--out", str(tmp_path / "x.parquet")],
                     ["report", str(out), "--out", str(tmp_path / "report")]):
         assert main(command) == 1
@@ -470,11 +484,8 @@ def test_the_token_row_table_it_has_not_is_refused(tmp_path):
 def test_a_resume_with_another_storage_dtype_names_the_reduced_hook_points(tmp_path):
     # the store has no arrays: its hook points are those it reduced, never "none yet"
     path = tmp_path / "r.zarr"
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
-    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
-            torch.no_grad():
-        model(torch.randn(3, 4))
-    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    model = _two_layers_reduced(path)
+    before = _files(path)
     scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
                                 storage_dtype=torch.bfloat16, store_options={"resume": True})
     with pytest.raises(CaptureError, match=r"its hook points \('0.output', '1.output'\) are stored with "
@@ -482,7 +493,7 @@ def test_a_resume_with_another_storage_dtype_names_the_reduced_hook_points(tmp_p
                                            r"was changed"):
         with scope.track(model), torch.no_grad():
             model(torch.randn(3, 4))
-    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    assert _files(path) == before
 
 
 def test_the_document_budget_counts_the_rows_reduced(tmp_path, monkeypatch):
@@ -534,11 +545,8 @@ def test_reduced_rows_never_go_back_below_the_committed_count(tmp_path):
 def test_a_resume_with_other_hook_points_names_reductions_not_arrays(tmp_path):
     # the store has no arrays: the refusal says why in its terms (every reduction covers every sample)
     path = tmp_path / "r.zarr"
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
-    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
-            torch.no_grad():
-        model(torch.randn(3, 4))
-    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    model = _two_layers_reduced(path)
+    before = _files(path)
     scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
                                 store_options={"resume": True})
     with pytest.raises(CaptureError) as e:
@@ -548,7 +556,7 @@ def test_a_resume_with_other_hook_points_names_reductions_not_arrays(tmp_path):
     assert "it holds ['1.output'] which this capture does not give" in msg, msg
     assert "every reduction of a store that keeps reductions only must cover every sample" in msg, msg
     assert "array" not in msg, msg
-    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    assert _files(path) == before
 
 
 def test_a_resume_refused_for_a_damaged_state_points_to_verify(tmp_path):
@@ -563,7 +571,7 @@ def test_a_resume_refused_for_a_damaged_state_points_to_verify(tmp_path):
     data = bytearray(states[0].read_bytes())
     data[len(data) // 2] ^= 0xFF
     states[0].write_bytes(bytes(data))
-    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    before = _files(path)
     again = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
                                 store_options={"resume": True})
     with pytest.raises(acs.ActivationScopeError) as e:
@@ -571,5 +579,5 @@ def test_a_resume_refused_for_a_damaged_state_points_to_verify(tmp_path):
             model(torch.randn(3, 4))
     msg = str(e.value)
     assert "files that fail their checks" in msg and f"activationscope verify {path}" in msg, msg
-    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    assert _files(path) == before
     assert open_store(path).verify(), "verify names the damaged file"

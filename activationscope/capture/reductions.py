@@ -1027,6 +1027,14 @@ def validate_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[A
         _check_overlapping_names(seen, f"pattern {pattern!r}")
 
 
+def _all_specs(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]]]) -> list[Any]:
+    """The reduction specs of a scope's ``reductions=`` argument, a list or a mapping of
+    patterns to lists, in the order given."""
+    if isinstance(reductions, Mapping):
+        return [s for v in reductions.values() for s in _as_list(v)]
+    return _as_list(reductions)
+
+
 def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> list[str]:
     """Names of the custom reductions of a scope's ``reductions=`` argument that cannot merge
     (a plain function, scripted or not: no ``merge(a, b)`` method), in the order given.
@@ -1038,7 +1046,7 @@ def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequenc
     """
     if not reductions:
         return []
-    specs = [s for v in reductions.values() for s in _as_list(v)] if isinstance(reductions, Mapping) else _as_list(reductions)
+    specs = _all_specs(reductions)
     out: list[str] = []
     for item in specs:
         f = _factory(item)
@@ -1064,7 +1072,7 @@ def eager_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]
     """
     if not reductions:
         return []
-    specs = [s for v in reductions.values() for s in _as_list(v)] if isinstance(reductions, Mapping) else _as_list(reductions)
+    specs = _all_specs(reductions)
     out: list[str] = []
     for item in specs:
         f = _factory(item)
