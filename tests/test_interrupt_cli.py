@@ -182,3 +182,56 @@ def test_the_sigterm_handler_before_a_command_is_put_back(capsys):
     before = signal.getsignal(signal.SIGTERM)
     assert cli.main(["info", "no-such.zarr"]) == 1
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+INTERRUPT_IMPORT = """
+import importlib.abc
+import os
+import signal
+import sys
+import time
+
+
+class InterruptImport(importlib.abc.MetaPathFinder):
+    # Ctrl-C (SIGINT sent to this process) while the module $SIGINT_IN_IMPORT is being imported
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == os.environ.get("SIGINT_IN_IMPORT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # (ended at once by the KeyboardInterrupt of the signal)
+        return None
+
+
+sys.meta_path.insert(0, InterruptImport())
+"""
+
+
+@pytest.mark.parametrize("entry", ["console_script", "python_m"])
+@pytest.mark.parametrize("module", ["activationscope.cli", "activationscope.analysis.capture_run", "argparse"])
+def test_ctrl_c_while_the_command_line_is_imported_prints_one_line(tmp_path, entry, module):
+    # a Ctrl-C while the console script imported activationscope.cli (before the command's own
+    # Ctrl-C handling) printed Python's traceback; now the one line and status 130 of any Ctrl-C
+    import tomllib
+
+    (tmp_path / "sitecustomize.py").write_text(INTERRUPT_IMPORT)
+    root = os.path.dirname(os.path.dirname(acs.__file__))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["activationscope"]
+    name, func = target.split(":")
+    script = tmp_path / "activationscope-script.py"  # as pip writes the console script
+    script.write_text(f"import sys\nfrom {name} import {func}\nif __name__ == '__main__':\n    sys.exit({func}())\n")
+    cmd = [sys.executable, str(script)] if entry == "console_script" else [sys.executable, "-m", "activationscope"]
+    env = dict(os.environ, SIGINT_IN_IMPORT=module, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    done = subprocess.run([*cmd, "info", str(tmp_path / "no-such.zarr")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (130, "activationscope info: interrupted\n")
+    env.pop("SIGINT_IN_IMPORT")  # (not interrupted: the command runs)
+    done = subprocess.run([*cmd, "info", str(tmp_path / "no-such.zarr")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.startswith("activationscope info: error: "), done.stderr
+
+
+def test_the_commands_named_for_a_ctrl_c_while_importing_are_the_command_lines():
+    from activationscope import __main__
+
+    assert __main__.COMMANDS == tuple(cli._COMMANDS)
