@@ -512,7 +512,8 @@ void bind_reductions(py::module_& m) {
       .def("load_state", [](Reduction& r, const py::dict& d) { r.load_state(dict_to_named(d)); })
       .def("fresh", &Reduction::fresh)
       .def_property_readonly("kind", &Reduction::kind)
-      .def_property_readonly("options", &Reduction::options);
+      .def_property_readonly("options", &Reduction::options)
+      .def_property_readonly("made_nonfinite", &Reduction::made_nonfinite);
   m.def("make_builtin_reduction", &make_builtin_reduction, py::arg("kind"),
         py::arg("options") = ReductionOptions{});
   m.def("make_script_reduction", &make_script_reduction, py::arg("path"),

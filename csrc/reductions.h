@@ -51,6 +51,12 @@ class Reduction {
   // The kind ("mean", "var", ..., "script") and the options it was made with.
   virtual std::string kind() const = 0;
   virtual ReductionOptions options() const = 0;
+
+  // Custom reductions: whether a batch turned finite rows, and a finite accumulator (or none),
+  // into an accumulator holding NaN or inf (the function's own doing; NaN or inf of the rows is
+  // carried along as the built-ins carry it, like torch, and does not count). False for the
+  // built-ins. Reads a flag kept on the accumulator's device off the CPU (synchronises there).
+  virtual bool made_nonfinite() const { return false; }
 };
 
 // Built-in reductions by kind; TORCH_CHECK fails with the list of kinds on an unknown one.

@@ -104,6 +104,7 @@ class ScriptReduction : public Reduction {
       // change with the model's memory: keep a copy.
       if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
       acc_ = std::move(acc);
+      note_nonfinite(acc_, rows);
       acc_from_state_ = false;
       rows_device_ = rows.device();
     } catch (...) {
@@ -123,10 +124,12 @@ class ScriptReduction : public Reduction {
               "' cannot merge: a plain function has no merge rule. Register it as a scripted "
               "module with forward(acc, x) and merge(a: Tensor, b: Tensor) -> Tensor methods, "
               "or merge the states yourself");
+    if (other->made_nonfinite()) made_ = true;  // (what the other's batches made stays in the merged state)
     at::Tensor b = other->acc_;
     if (!b.defined()) return;
     if (!acc_.defined()) {
       acc_ = b;
+      note_acc_finite();
       return;
     }
     // (merge(a, b) of other shapes may broadcast: a () accumulator plus a (d,) one)
@@ -150,6 +153,7 @@ class ScriptReduction : public Reduction {
               ") and returned one of shape ", shape_str(merged.sizes()), " (", merged.scalar_type(),
               "): merge(a, b) must return a tensor of the accumulators' shape and dtype");
     acc_ = std::move(merged);
+    note_acc_finite();
   }
 
   NamedTensors result() const override {
@@ -168,6 +172,7 @@ class ScriptReduction : public Reduction {
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
+    note_acc_finite();
     acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
@@ -176,8 +181,47 @@ class ScriptReduction : public Reduction {
   }
   std::string kind() const override { return "script"; }
   ReductionOptions options() const override { return opts_; }
+  bool made_nonfinite() const override {
+    return made_ || (made_dev_.defined() && made_dev_.item<bool>());
+  }
 
  private:
+  // After a batch: did the function turn finite rows and a finite accumulator (none for the
+  // first batch; acc_finite_ says, as noted when it was made: the function may have changed it
+  // in place since) into one (`after`) holding NaN or inf? On the CPU the accumulator is looked
+  // at (its size, not the rows'), the rows only when it is not finite; elsewhere the answer is
+  // kept on the device (no synchronisation per batch) and read by made_nonfinite(). Only dense
+  // tensors of values are looked at (a sparse or meta accumulator or rows: never counted).
+  void note_nonfinite(const at::Tensor& after, const at::Tensor& rows) {
+    if (made_ || !checkable(after) || !checkable(rows)) return;
+    try {
+      at::Tensor finite = at::isfinite(after).all();
+      if (after.is_cpu()) {
+        made_ = !finite.item<bool>() && (!acc_finite_.defined() || acc_finite_.item<bool>()) &&
+                at::isfinite(rows).all().item<bool>();
+      } else {
+        at::Tensor made = finite.logical_not().logical_and(at::isfinite(rows).all().to(after.device()));
+        if (acc_finite_.defined()) made = made.logical_and(acc_finite_.to(after.device()));
+        made_dev_ = made_dev_.defined() ? made_dev_.logical_or(made) : made;
+      }
+      acc_finite_ = finite;
+    } catch (const c10::Error&) {  // (a device or tensor kind without isfinite: nothing is said)
+      acc_finite_ = at::Tensor();
+    }
+  }
+  // acc_finite_ of an accumulator that did not come from a batch (init=, a stored state, a merge)
+  void note_acc_finite() {
+    acc_finite_ = at::Tensor();
+    if (!acc_.defined() || !checkable(acc_)) return;
+    try {
+      acc_finite_ = at::isfinite(acc_).all();
+    } catch (const c10::Error&) {
+    }
+  }
+  static bool checkable(const at::Tensor& t) {
+    return t.layout() == at::kStrided && !t.is_meta() && !t.is_nested() && (t.is_floating_point() || t.is_complex());
+  }
+
   // The function (and merge) may update the accumulator in place (`acc += x.sum(0)`): give it
   // one no one else holds. acc_ is shared after state() / result() handed it out, load_state
   // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
@@ -216,6 +260,9 @@ class ScriptReduction : public Reduction {
   bool acc_from_state_ = false;  // acc_ is an init= or a loaded state, not yet updated
   at::Tensor acc_;
   std::optional<c10::Device> rows_device_;  // the device of the rows acc_ was last made from
+  bool made_ = false;      // a batch made NaN or inf of finite rows (note_nonfinite)
+  at::Tensor made_dev_;    // the same, kept on the accumulator's device off the CPU
+  at::Tensor acc_finite_;  // () bool: acc_ was finite when made (undefined: no accumulator)
 };
 
 }  // namespace

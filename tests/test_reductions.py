@@ -2960,3 +2960,115 @@ def test_a_function_compiled_for_each_capture_leaves_no_file_behind(tmp_path):
         s = acs.open_store(tmp_path / f"s{i}.zarr")
         torch.testing.assert_close(s.reductions["0.output"]["row_sum"], model(x).detach().double().sum(0))
         assert any(p.suffix == ".pt" for p in (tmp_path / f"s{i}.zarr" / "reductions" / "0.output").iterdir())
+
+
+def log_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().log().sum(0)
+    return s if acc is None else acc + s
+
+
+def log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().log().sum(0)
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+def log_sum_eager(acc, x):
+    s = x.double().log().sum(0) * _IN_PLACE_SCALE
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+def test_a_custom_reduction_that_makes_nan_or_inf_of_finite_rows_warns_at_the_close(fn, in_store, device, tmp_path):
+    """A custom reduction whose function makes inf of finite rows (the log of a 0 in the second
+    batch) used to be kept without a word; now the close warns, naming the reduction, the hook
+    point and how many values are NaN or inf, and keeps (and stores) the value as the function
+    returned it. A function that updates its accumulator in place is caught too (the accumulator
+    it was given looks no longer finite afterwards)."""
+    model = torch.nn.Sequential(_Clone())
+    xs = [torch.rand(4, 3, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(3)]
+    xs[1][2, 1] = 0.0
+    want = torch.cat(xs).double().log().sum(0)
+    assert want.isinf().tolist() == [False, True, False]
+    store = tmp_path / "s.zarr" if in_store else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=store, reductions=[fn, "mean"]).track(model) as tracker:
+            for x in xs:
+                model(x.to(device))
+            assert not [w for w in caught if issubclass(w.category, acs.CaptureWarning)]  # (said at the close)
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"custom reduction(s) whose result holds NaN or inf made of finite rows: "
+                                  f"'{fn.__name__}' of hook point '0.output' (1 of 3 values NaN or inf). ")
+    got = acs.open_store(store).reductions["0.output"] if in_store else tracker.reductions["0.output"]
+    torch.testing.assert_close(got[fn.__name__].cpu(), want)
+    assert torch.isfinite(got["mean"]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
+def test_nan_or_inf_of_the_rows_carried_by_a_custom_reduction_gives_no_warning(fn, device):
+    """Rows holding inf (or NaN) give a custom reduction's result inf (NaN) as they give the
+    built-in mean's: carried along, like torch, with no warning; an accumulator seeded with
+    NaN (init=) is carried along too."""
+    model = torch.nn.Sequential(_Clone())
+    xs = [torch.rand(4, 3, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(3)]
+    xs[1][2, 1], xs[2][0, 2] = float("inf"), float("nan")
+    init = torch.tensor([float("nan"), 0.0, 0.0], dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with acs.ActivationScope(reductions=[fn, ("seeded", fn, {"init": init}), "mean"]).track(model) as tracker:
+            for x in xs:
+                model(x.to(device))
+    assert not [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    got = tracker.reductions["0.output"]
+    assert torch.isfinite(got[fn.__name__]).tolist() == torch.isfinite(got["mean"]).tolist() == [True, False, False]
+    assert torch.isfinite(got["seeded"]).tolist() == [False, False, False]
+
+
+@pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
+def test_made_nonfinite_tells_nan_or_inf_the_function_made_from_what_the_rows_or_state_held(fn):
+    """``made_nonfinite`` of a custom reduction: False while its accumulator is finite, True once
+    a batch of finite rows turned a finite accumulator into inf (in place too); False where the
+    rows held inf, or the state it was loaded with held NaN, before; always False for a
+    built-in."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        made, carried, loaded = R.make_reduction(fn), R.make_reduction(fn), R.make_reduction(fn)
+    zero = torch.tensor([[1.0, 0.0, 2.0]])
+    made.update(torch.ones(2, 3))
+    assert made.made_nonfinite is False
+    made.update(zero)
+    assert made.made_nonfinite is True and made.result()["value"].isinf().tolist() == [False, True, False]
+    made.update(torch.ones(2, 3))
+    assert made.made_nonfinite is True
+    carried.update(torch.tensor([[1.0, float("inf"), 1.0]]))
+    carried.update(zero)
+    assert carried.made_nonfinite is False and not torch.isfinite(carried.result()["value"][1])
+    loaded.load_state({"acc": torch.tensor([float("nan"), 0.0, 0.0], dtype=torch.float64)})
+    loaded.update(zero)
+    assert loaded.made_nonfinite is False
+    mean = R.make_reduction("mean")
+    mean.update(zero.log())
+    assert mean.made_nonfinite is False
+
+
+def test_the_nonfinite_custom_reduction_warning_as_an_error_comes_after_the_store_is_complete(tmp_path):
+    """Under an error filter the warning raises, once the store is committed whole: status
+    complete, every row and the reduction's value (inf as the function made it) stored."""
+    model = torch.nn.Sequential(_Clone())
+    xs = [torch.ones(2, 3), torch.tensor([[1.0, 0.0, 2.0]])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", acs.CaptureWarning)
+        with pytest.raises(acs.CaptureWarning, match=r"'log_sum' of hook point '0.output' \(1 of 3 values NaN or inf\)"):
+            with acs.ActivationScope(store=tmp_path / "s.zarr", reductions=[log_sum]).track(model):
+                for x in xs:
+                    model(x)
+    st = acs.open_store(tmp_path / "s.zarr")
+    assert st.status == "complete" and torch.equal(st["0.output"], torch.cat(xs))
+    assert st.reductions["0.output"]["log_sum"].isinf().tolist() == [False, True, False]

@@ -303,6 +303,12 @@ def _pt_for(obj: Any) -> Optional[tuple[Path, bool]]:
 # ---------------------------------------------------------------------------- eager fallback
 
 
+def _checkable(t: torch.Tensor) -> bool:
+    """Whether ``made_nonfinite`` looks at ``t``: a dense tensor of floating or complex values
+    (a sparse, nested or meta one, or integers, never counts)."""
+    return t.layout == torch.strided and not t.is_meta and not t.is_nested and (t.is_floating_point() or t.is_complex())
+
+
 class EagerReduction(_C.Reduction):
     """A custom reduction run as Python, a subclass of the native ``Reduction``.
 
@@ -334,10 +340,45 @@ class EagerReduction(_C.Reduction):
         self._seen = False  # the function was seen with an accumulator (in place or not)
         self._rows_device: torch.device | None = None  # the device of the rows self._acc was last made from
         self._acc_from_state = False  # self._acc is an init= or a loaded state, not yet updated
+        # a batch made NaN or inf of finite rows (_note_nonfinite): on the CPU a bool, elsewhere
+        # also a () bool tensor on the accumulator's device; whether self._acc was finite when
+        # made (a () bool tensor; None: no accumulator, or one of integers)
+        self._made_nonfinite = False
+        self._made_nonfinite_dev: Optional[torch.Tensor] = None
+        self._acc_finite: Optional[torch.Tensor] = None
 
     @property
     def options(self) -> dict[str, float]:
         return dict(self._options)
+
+    @property
+    def made_nonfinite(self) -> bool:
+        """Whether a batch turned finite rows, and a finite accumulator (or none), into an
+        accumulator holding NaN or inf: the function's own doing (a division by zero, the log of
+        0, an overflow of its dtype). NaN or inf of the rows carried along does not count, as the
+        built-ins carry it (like torch). Off the CPU reading it synchronises with the device."""
+        return self._made_nonfinite or (self._made_nonfinite_dev is not None and bool(self._made_nonfinite_dev))
+
+    def _note_nonfinite(self, acc: torch.Tensor, rows: torch.Tensor) -> None:
+        """After a batch (``acc`` what the function returned for ``rows``), as the native
+        custom reduction does: on the CPU the accumulator is looked at, the rows only when it is
+        not finite; elsewhere the answer stays on the device (no synchronisation per batch)."""
+        if self._made_nonfinite or not (_checkable(acc) and _checkable(rows)):
+            return
+        try:
+            finite = torch.isfinite(acc).all()
+            before = self._acc_finite  # (as noted when made: the function may have changed it in place since)
+            if acc.device.type == "cpu":
+                self._made_nonfinite = (not bool(finite) and (before is None or bool(before))
+                                        and bool(torch.isfinite(rows).all()))
+            else:
+                made = finite.logical_not() & torch.isfinite(rows).all().to(acc.device)
+                if before is not None:
+                    made &= before.to(acc.device)
+                self._made_nonfinite_dev = made if self._made_nonfinite_dev is None else self._made_nonfinite_dev | made
+            self._acc_finite = finite
+        except (RuntimeError, NotImplementedError):  # (a device or tensor kind without isfinite: nothing is said)
+            self._acc_finite = None
 
     def _where(self) -> str:
         """``hook point '<name>': `` for errors, once the capture has set it."""
@@ -425,6 +466,7 @@ class EagerReduction(_C.Reduction):
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
+        self._note_nonfinite(acc, rows)
         self._acc_from_state = False
         self._acc_shared = False
         self._rows_device = rows.device
@@ -480,6 +522,10 @@ class EagerReduction(_C.Reduction):
             raise ReductionError(f"state of a custom reduction has only the key 'acc', got {sorted(unknown)}")
         acc = state.get("acc")
         self._acc = None if acc is None else acc.detach()
+        try:
+            self._acc_finite = torch.isfinite(self._acc).all() if acc is not None and _checkable(acc) else None
+        except (RuntimeError, NotImplementedError):
+            self._acc_finite = None
         self._acc_from_state = acc is not None
         self._acc_shared = True
         self._rows_device = None  # (moved to the rows' device at the next update)

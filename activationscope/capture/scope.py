@@ -1019,6 +1019,7 @@ class Tracker:
         # hook points whose custom reductions' accumulator dtype is still to be looked at
         # (_warn_half_accumulators)
         self._half_pending: set[str] = set()
+        self._warned_nonfinite = False  # (_warn_nonfinite_reductions, at the close)
         self._hook_probes: list[Any] = []
         self._hook_replaced: list[str] = []
         # forward hooks there were when last looked for ({id(module): hook ids}, global hook
@@ -1636,6 +1637,7 @@ class Tracker:
             if not (self._attached and self._core.open_here):  # (refused inside a forward: stays attached)
                 self._close_after_error(e)
             raise
+        self._warn_nonfinite_reductions()  # (once the store is closed: an error filter costs no commit)
         self._raise_left_running(left)
 
     def _close_after_error(self, error: BaseException) -> None:
@@ -1980,6 +1982,7 @@ class Tracker:
             raise
         if self._reference_mode:
             self._warn_changed(all_records=True)
+        self._warn_nonfinite_reductions()  # (once the store is closed: an error filter costs no commit)
         if exc is None:
             self._raise_left_running(left)
 
@@ -3090,6 +3093,43 @@ class Tracker:
                 "hundred (bfloat16) or thousand (float16) times a batch's (in bfloat16, 256 + 1 is 256), without "
                 "an error; convert inside the function (x.double().sum(0)) or give init= a float64 tensor. An "
                 "accumulator of exact values (a running max or min) may stay in that dtype",
+                CaptureWarning,
+            )
+
+    def _warn_nonfinite_reductions(self) -> None:
+        """At the close: a custom reduction (TorchScript or eager) whose result holds NaN or inf
+        that its function made of finite rows and a finite accumulator (``made_nonfinite``: a
+        division by zero, the log of 0, an overflow of its dtype) gets a CaptureWarning naming
+        it, its hook point and how many values are NaN or inf; the result is kept as the
+        function returned it. NaN or inf of the rows carried along is not warned about, as the
+        built-in reductions carry it (like torch). Once per tracker, after its store is closed."""
+        if self._warned_nonfinite:
+            return
+        self._warned_nonfinite = True
+        with self._new_hook_point_lock:
+            pending = [(n, names, self._reduction_objects[n], self._sinks.get(n))
+                       for n, names in sorted(self._reduction_names.items())]
+        found = []
+        for hook_point, names, objects, sink in pending:
+            if sink is None:  # (a resumed hook point not captured again)
+                continue
+            for i, (red_name, red) in enumerate(zip(names, objects)):
+                if str(red.kind) not in ("script", "eager") or not red.made_nonfinite:
+                    continue
+                value = sink.reduction_result(i).get("value")
+                n_bad = 0 if value is None or value.layout != torch.strided else int(
+                    torch.isfinite(value).logical_not().sum())
+                if n_bad:
+                    found.append((hook_point, red_name, n_bad, value.numel()))
+        if found:
+            where = "; ".join(f"{red_name!r} of hook point {hp!r} ({n_bad} of {n} values NaN or inf)"
+                              for hp, red_name, n_bad, n in found[:8]) + ("; ..." if len(found) > 8 else "")
+            warn_at_caller(
+                f"custom reduction(s) whose result holds NaN or inf made of finite rows: {where}. Their rows and "
+                "accumulators were finite, so the function made these values (a division by zero, the log or sqrt of "
+                "a value <= 0, an overflow of the accumulator's dtype); they are kept, and stored, as it returned "
+                "them. Fix the function (e.g. clamp before log, x.double() for sums); NaN or inf of the rows "
+                "themselves is carried along without a warning, as the built-in reductions carry it",
                 CaptureWarning,
             )
 
