@@ -313,6 +313,27 @@ def test_no_root_lists_the_part_a_writer_of_an_earlier_version_would_write_next(
     assert st.verify() == [] and st.row_table("sample").column("batch").to_pylist() == [i for i in range(70) for _ in (0, 1)]
 
 
+def test_a_dask_graph_of_parts_merged_since_says_to_make_it_again(tmp_path):
+    """A Dask graph of the row table reads the parts listed when it was made: one that a
+    commit merged since read as damage ("listed in the metadata is missing"); now the error
+    says what happened and to make the graph again."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = str(tmp_path / "s.zarr")
+    c = merge_child.Capture(path)
+    for i in range(10):
+        c.forward(i, 100)
+    graph = row_table_dask(path)
+    for i in range(10, 40):
+        c.forward(i, 100)
+    with pytest.raises(StoreError, match="merged with other parts by a commit since the graph was made .* make the "
+                                         r"graph again \(row_table_dask\)"):
+        graph.compute()
+    c.w.close()
+    assert row_table_dask(path).compute()["sample_id"].tolist() == list(range(80))
+
+
 def test_a_reader_whose_parts_are_merged_again_at_every_read_is_told_to_refresh(tmp_path, monkeypatch):
     """Commits that merge the parts again each time the reader has read the root (a capture
     committing fast) end the reads after 3 roots with StoreError asking for a refresh, never
