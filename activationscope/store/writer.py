@@ -80,9 +80,9 @@ _SERIAL_WRITE_S = 0.001
 #: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
 #: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
 PARTIAL_REWRITE_SHARE = 0.25
-#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards,
-#: the root every row-table part, one a commit): committed every interval, a long capture would write
-#: them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
+#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards;
+#: the root every row-table part, which merges keep few): committed every interval, a long capture would
+#: write them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
 #: :meth:`StoreWriter.maybe_commit` waits until the documents written stay within this share of the
 #: bytes the capture appended (uncompressed), or :data:`DOCUMENT_MAX_WAIT_S` passed since the last commit.
 DOCUMENT_SHARE = 0.25
@@ -3627,8 +3627,9 @@ class StoreWriter:
                     members = [key for group in groups[i:i + k] for key in group]
                     sizes = [self._part_sizes.get(key) for key in members]
                     span = (run[0][0], run[-1][1])
-                    if (tuple(members) not in self._unmergeable and f"rows/{kind}/part-{span[0]:06d}-{span[1]:06d}.parquet"
-                            not in listed and (None in sizes or sum(sizes) <= ROW_PART_MERGE_MAX_BYTES)):
+                    name = f"rows/{kind}/part-{span[0]:06d}-{span[1]:06d}.parquet"  # (listed: a store from elsewhere)
+                    if (tuple(members) not in self._unmergeable and name not in listed
+                            and (None in sizes or sum(sizes) <= ROW_PART_MERGE_MAX_BYTES)):
                         next_groups.append(members)
                         next_spans.append(span)
                         merged = True

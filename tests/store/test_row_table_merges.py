@@ -310,7 +310,8 @@ def test_no_root_lists_the_part_a_writer_of_an_earlier_version_would_write_next(
     c.w.close()
     assert renamed  # (the case above came)
     st = open_store(path)
-    assert st.verify() == [] and st.row_table("sample").column("batch").to_pylist() == [i for i in range(70) for _ in (0, 1)]
+    assert st.verify() == []
+    assert st.row_table("sample").column("batch").to_pylist() == [i for i in range(70) for _ in (0, 1)]
 
 
 def test_a_dask_graph_of_parts_merged_since_says_to_make_it_again(tmp_path):
