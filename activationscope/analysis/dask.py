@@ -401,7 +401,8 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
     StoreCorruptError
         The part is missing, damaged (crc32c, Parquet), or disagrees with its footer; named.
     StoreError
-        The store was replaced since the graph was made, or removed.
+        The store was replaced since the graph was made, or removed; or a commit since merged
+        the part with others (FORMAT.md section 4): the root no longer lists it.
     """
     from .._safeio import _changed_since_graph, _remote_run, _run
 
@@ -411,12 +412,36 @@ def _read_part(root: str, zarr_store: Any, spec: dict) -> Any:
         now = _run(root) if zarr_store is None else _remote_run(zarr_store)
         if now != tuple(spec["run"]):
             raise _changed_since_graph(root, now) from None
+        if _merged_since(root, zarr_store, spec):
+            raise StoreError(f"store at {root!r}: row-table part {spec['key']!r} of the Dask graph was merged with "
+                             "other parts by a commit since the graph was made (a capture is writing the store); "
+                             "make the graph again (row_table_dask) of the store as it is now") from None
         raise
     if spec["crc32c"] is None:  # (no crc32c to tell another run's part: the root read after the part)
         now = _run(root) if zarr_store is None else _remote_run(zarr_store)
         if now != tuple(spec["run"]):
             raise _changed_since_graph(root, now)
     return part
+
+
+def _merged_since(root: str, zarr_store: Any, spec: dict) -> bool:
+    """Whether the root of the store (of the graph's run) now lists no part ``spec["key"]`` of
+    its table: a commit merged it with others (FORMAT.md section 4), its rows in the parts listed."""
+    import json
+    import os
+
+    from .._safeio import MAX_JSON_BYTES, _remote_get, read_regular
+
+    try:
+        if zarr_store is None:
+            raw = read_regular(os.path.join(root, "zarr.json"), store=root, key="zarr.json", max_bytes=MAX_JSON_BYTES)
+        else:
+            raw = _remote_get(zarr_store, root, "zarr.json")
+        tables = json.loads(raw or b"null")["attributes"]["activationscope"]["row_tables"]
+        parts = tables[spec["kind"]]["parts"]
+    except (StoreError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(parts, list) and spec["key"] not in parts
 
 
 def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:

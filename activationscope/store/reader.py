@@ -2961,7 +2961,9 @@ class Store:
         """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
-        row ``i`` of this table.
+        row ``i`` of this table. A store opened while a capture writes it reads the rows of the
+        commit it shows, also once a later commit merged the parts it lists (read from the parts
+        listed now: store/FORMAT.md section 7, point 6).
 
         Parameters
         ----------
@@ -2989,6 +2991,8 @@ class Store:
             number of rows than the metadata's ``n_rows``, or columns of other types.
         StoreError
             Of a store of rank stores: two ranks hold a column (read or not) of other types.
+            Commits of a capture writing the store merged its parts 3 times while they were
+            read: call :meth:`refresh` and read again.
             ``kind`` "token" of a store that keeps reductions only (:attr:`rows_stored`
             False), which has no token table.
         """
@@ -3024,6 +3028,17 @@ class Store:
             table = concat_rank_tables(tables, ranks, stores, kind)
             return table if columns is None else table.select([c for c in columns if c in table.column_names])
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
+        table = self._row_table_of(kind, info, read, _schemas)
+        return table if columns is None else table.select([c for c in columns if c in table.column_names])
+
+    def _row_table_of(self, kind: str, info: dict, read: list | None, _schemas: list | None, tries: int = 0) -> Any:
+        """The row table ``info`` (the root's ``row_tables[kind]``) lists, its columns ``read``
+        (None: all), checked (see :meth:`row_table`). A listed part that is gone while the
+        root now lists other parts of the table (a commit since merged it, FORMAT.md section
+        4) is read from those: the first ``n_rows`` rows and the columns ``info`` lists, the
+        rows of this commit (within a run a table only grows at its end)."""
+        import pyarrow as pa
+
         crcs = info.get("crc32c") or {}
         tables: list = []
         schemas: list = []  # each part's full schema (from its Parquet footer)
@@ -3033,6 +3048,9 @@ class Store:
             for key in info.get("parts", []):
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
+                    later = self._later_row_table(kind, info, tries)
+                    if later is not None:
+                        return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries)
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
                 tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
@@ -3056,7 +3074,7 @@ class Store:
             table = pa.table(cols)
             if _schemas is not None:
                 _schemas.append(table.schema)
-            return table if columns is None else table.select([c for c in columns if c in table.column_names])
+            return table
         try:
             table = pa.concat_tables(tables, promote_options="default")
         except Exception as e:  # parts whose columns do not fit together
@@ -3067,7 +3085,55 @@ class Store:
             raise V.corrupt(self._backend, f"row table {kind!r} has {table.num_rows} rows in its parts, but the "
                                            f"metadata says n_rows {info['n_rows']}")
         self._check_batch_order(table, kind)
-        return table if columns is None else table.select([c for c in columns if c in table.column_names])
+        return table
+
+    def _later_row_table(self, kind: str, info: dict, tries: int) -> dict | None:
+        """The root's ``row_tables[kind]`` as the store is now, when a listed part of ``info``
+        (the table as this reader shows it) is gone because a commit of this run since merged
+        it (FORMAT.md section 4): it lists other parts and at least as many rows. None when
+        it does not (the part is missing: damage).
+
+        Raises
+        ------
+        StoreError
+            Another run is in the store's place now (:meth:`_check_same_store`), or commits
+            merged the parts again each time they were read (``tries``): refresh and read again.
+        """
+        self._check_same_store()  # another run in its place: said as such, not as damage
+        if tries >= _LATER_COMMITS:
+            raise StoreError(
+                f"store at {str(self._backend)!r}: row table {kind!r}: commits since it was opened merged its parts "
+                f"{tries} times while they were read (a capture is writing it); call store.refresh() (or open_store "
+                "again) and read it again")
+        raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+        attrs = V.parse_root(raw, store=self._backend) if raw is not None else None
+        if attrs is None or F.run_of(attrs) != self._run:
+            return None
+        later = (attrs.get("row_tables") or {}).get(kind)
+        if not isinstance(later, dict) or later.get("parts") == info.get("parts"):
+            return None
+        if int(later.get("n_rows", 0)) < int(info.get("n_rows", 0)):
+            return None
+        return later
+
+    def _rows_of_a_later_commit(self, kind: str, info: dict, later: dict, read: list | None, _schemas: list | None,
+                                tries: int) -> Any:
+        """The row table ``info`` lists, read from the parts ``later`` (a later commit's table of
+        the same run, :meth:`_later_row_table`) lists: its first ``info["n_rows"]`` rows, and the
+        columns ``info`` lists (a column first given after them is left out)."""
+        import pyarrow as pa
+
+        schemas: list = []
+        table = self._row_table_of(kind, later, read, schemas, tries + 1)
+        table = table.slice(0, int(info.get("n_rows", 0)))
+        names = info.get("columns")
+        full = schemas[0] if schemas else table.schema
+        if isinstance(names, list) and all(isinstance(c, str) for c in names):
+            table = table.select([c for c in table.column_names if c in names])
+            full = pa.schema([f for f in full if f.name in names])
+        if _schemas is not None:
+            _schemas.append(full)
+        return table
 
     def _check_batch_order(self, table: Any, kind: str) -> None:
         """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back
@@ -3174,32 +3240,42 @@ class Store:
             problems += mine
         tables = self._attrs.get("row_tables") or {}
         for kind, info in tables.items():
-            crcs = info.get("crc32c") or {}  # absent in stores written before it was recorded
-            total = 0
-            readable = True
-            for key in info.get("parts", []):
-                try:
-                    data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
-                except StoreCorruptError as e:
-                    problems.append(self._table_problem(kind, e))
-                    readable = False
-                    continue
-                if data is None:
-                    problems.append(f"row table {kind!r}: part {key!r} is missing")
-                    readable = False
-                    continue
-                problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}")
-                if problem:
-                    problems.append(problem)
-                    readable = False
-                    continue
-                try:
-                    import pyarrow.parquet as pq
+            tries = 0
+            while True:  # (again on the parts the root lists now, when a commit since merged a part: row_table())
+                crcs = info.get("crc32c") or {}  # absent in stores written before it was recorded
+                total = 0
+                readable = True
+                mine, later = [], None
+                for key in info.get("parts", []):
+                    try:
+                        data = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+                    except StoreCorruptError as e:
+                        mine.append(self._table_problem(kind, e))
+                        readable = False
+                        continue
+                    if data is None:
+                        later = self._later_row_table(kind, info, tries)
+                        if later is not None:
+                            break
+                        mine.append(f"row table {kind!r}: part {key!r} is missing")
+                        readable = False
+                        continue
+                    problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}")
+                    if problem:
+                        mine.append(problem)
+                        readable = False
+                        continue
+                    try:
+                        import pyarrow.parquet as pq
 
-                    total += pq.read_metadata(io.BytesIO(data)).num_rows
-                except Exception as e:  # noqa: BLE001 - any Parquet failure
-                    problems.append(f"row table {kind!r}: part {key!r} is not a readable Parquet file ({e})")
-                    readable = False
+                        total += pq.read_metadata(io.BytesIO(data)).num_rows
+                    except Exception as e:  # noqa: BLE001 - any Parquet failure
+                        mine.append(f"row table {kind!r}: part {key!r} is not a readable Parquet file ({e})")
+                        readable = False
+                if later is None:
+                    break
+                info, tries = later, tries + 1
+            problems += mine
             if readable and total != int(info.get("n_rows", 0)):
                 problems.append(f"row table {kind!r}: its parts hold {total} rows, the metadata says n_rows "
                                 f"{info.get('n_rows', 0)}")
@@ -3704,6 +3780,11 @@ def _sub_backend(backend: Any, prefix: str) -> Any:
 
     sub = zarr.storage.FsspecStore(fs, read_only=True, path=f"{path.rstrip('/')}/{prefix}")
     return FsspecBackend(sub, label=f"{str(backend).rstrip('/')}/{prefix}")
+
+
+#: How many commits merging a row table's parts a reader follows while it reads the table
+#: (:meth:`Store._later_row_table`) before it asks for a refresh.
+_LATER_COMMITS = 3
 
 
 #: Most rank stores an uncommitted multi-rank store is shown with.

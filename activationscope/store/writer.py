@@ -80,14 +80,28 @@ _SERIAL_WRITE_S = 0.001
 #: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
 #: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
 PARTIAL_REWRITE_SHARE = 0.25
-#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards,
-#: the root every row-table part, one a commit): committed every interval, a long capture would write
-#: them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
+#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards;
+#: the root every row-table part, which merges keep few): committed every interval, a long capture would
+#: write them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
 #: :meth:`StoreWriter.maybe_commit` waits until the documents written stay within this share of the
 #: bytes the capture appended (uncompressed), or :data:`DOCUMENT_MAX_WAIT_S` passed since the last commit.
 DOCUMENT_SHARE = 0.25
 DOCUMENT_ALLOWANCE_BYTES = 64 << 20
 DOCUMENT_MAX_WAIT_S = 60.0
+#: Row-table parts (FORMAT.md section 4): each commit writes one part per row kind, and the root lists
+#: every part. A commit that leaves a row kind with more than :data:`ROW_PARTS_BEFORE_MERGE` parts merges
+#: each run of :data:`ROW_PART_MERGE_FACTOR` consecutive parts that hold as many commits' parts each
+#: (``part-<i>.parquet`` one, ``part-<a>-<b>.parquet`` those of commits a..b) into one part of those
+#: commits (:meth:`StoreWriter._merge_parts`): a K-ary counter, so a commit's rows are rewritten at most
+#: log_K(commits) times and a capture of n commits keeps at most (K - 1) log_K(n) + 1 merged parts per
+#: kind. A merge whose parts decode to more than :data:`ROW_PART_MERGE_MAX_BYTES` is not made (the
+#: writer holds them in memory meanwhile, and a reader each part): those parts stay as they are.
+ROW_PARTS_BEFORE_MERGE = 16
+ROW_PART_MERGE_FACTOR = 4
+ROW_PART_MERGE_MAX_BYTES = 64 << 20
+#: A row-table part's file name: ``part-<i>.parquet`` (the part of commit i of the run, counted from 0
+#: over the parts ever listed) or ``part-<a>-<b>.parquet`` (the parts of commits a..b merged into one).
+_PART_NAME = re.compile(r"part-([0-9]{6,12})(?:-([0-9]{6,12}))?\.parquet")
 # names the writer fills itself; "pos" is reserved for sample columns too: a token dataset joins the
 # sample columns of each token's sample, where a sample column "pos" would hide the token position
 _RESERVED = {"sample": ("sample_id", "pos", "batch"), "token": ("sample_id", "pos", "batch")}
@@ -909,6 +923,28 @@ STATE_WRITE_SHARE = 10.0
 _COMMIT_FOLDER = re.compile(r"__c[0-9]+-[0-9a-f]{8}")
 
 
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether the ``pyarrow.Table`` ``a`` holds the values of ``b`` (same columns assumed),
+    NaN equal to NaN in floating columns (``Table.equals`` takes NaN for unequal)."""
+    import pyarrow.compute as pc
+    import pyarrow.types as pt
+
+    if a.equals(b):
+        return True
+    for name in b.column_names:
+        x, y = a.column(name), b.column(name)
+        if x.equals(y):
+            continue
+        if not pt.is_floating(y.type):
+            return False
+        if pc.all(pc.equal(pc.is_null(x), pc.is_null(y))).as_py() is False:
+            return False
+        same = pc.or_(pc.equal(x, y), pc.and_(pc.is_nan(x), pc.is_nan(y)))
+        if pc.all(pc.fill_null(same, True)).as_py() is False:
+            return False
+    return True
+
+
 def _commit_folders(reductions: Mapping[str, Any]) -> set[str]:
     """``reductions/<node>/__c...`` folders that the entries of ``reductions`` (a root's) list."""
     out = set()
@@ -1462,6 +1498,14 @@ class StoreWriter:
         self._found_files: dict[str, bytes | None] | None = {} if self._found_root is not None else None
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
             kind: {"parts": [], "n_rows": 0, "columns": []} for kind in self._row_kinds}))
+        # row-table parts (_write_part, _merge_parts): the bytes decoded of each part known (written by this
+        # writer; of a part found by a resume, its file's), the next commit index of each kind, the runs of
+        # parts found unfit to merge, and the parts to remove once a root no longer lists them (replaced by a
+        # merge, or a merge its commit failed to list)
+        self._part_sizes: dict[str, int] = {}
+        self._next_part: dict[str, int] = {}
+        self._unmergeable: set[tuple[str, ...]] = set()
+        self._dropped_parts: set[str] = set()
         # a store that keeps reductions only: {hook point: {"row_kind", "feature_shape", "dtype",
         # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
         # listed from the batch that records the forward each was first seen in
@@ -1911,6 +1955,7 @@ class StoreWriter:
                 if raw is None:  # (gone since _refuse_missing_parts looked: refused as missing)
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is "
                                        f"missing{end}", fix=fix)
+                self._part_sizes[key] = len(raw)  # (an estimate of its bytes decoded: the merge reads it)
                 want = crcs.get(key)
                 got = F.crc32c(raw) if want is not None else None
                 if want is not None and got != int(want):
@@ -3104,8 +3149,8 @@ class StoreWriter:
         # 2. row-table parts. A part that fails leaves the tables and the pending batches as they
         # were (a later commit writes them again): the arrays' rows of those batches, in the
         # shards, stay next to their row-table rows
-        before = {kind: (len(t.get("parts", [])), t.get("n_rows", 0), len(t.get("columns", [])))
-                  for kind, t in self._row_tables.items()}
+        before = {kind: ({**t, **{k: type(t[k])(t[k]) for k in ("parts", "crc32c", "columns") if k in t}},
+                         self._next_part.get(kind)) for kind, t in self._row_tables.items()}
         try:
             for kind in self._row_kinds:
                 pieces = _row_pieces(batches, kind)
@@ -3117,14 +3162,17 @@ class StoreWriter:
                               if set(p) - set(table.get("columns") or ()) - {"sample_id", "pos", "batch"}]
                 if pieces:
                     self._write_part(kind, pieces)
+                    self._merge_parts(kind)
+                    self._rename_part_an_older_writer_reuses(kind)
         except BaseException:
-            for kind, (n_parts, n_rows, n_columns) in before.items():
+            for kind, (was, next_part) in before.items():
                 t = self._row_tables[kind]
-                for key in t.get("parts", [])[n_parts:]:
-                    t.get("crc32c", {}).pop(key, None)
-                del t.setdefault("parts", [])[n_parts:]
-                del t.setdefault("columns", [])[n_columns:]
-                t["n_rows"] = n_rows
+                t.clear()
+                t.update(was)
+                if next_part is None:
+                    self._next_part.pop(kind, None)
+                else:
+                    self._next_part[kind] = next_part
             raise
         self._pending = self._pending[k:]
         self._pending_samples -= sum(x.n_samples for x in batches)
@@ -3172,6 +3220,7 @@ class StoreWriter:
         root = F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)}))
         b.set("zarr.json", root)
         self._document_bytes += len(root)
+        self._drop_unlisted_parts()  # (the parts a merge replaced: the root lists the merged one now)
         if self._reduction_source is not None:
             self._drop_unlisted_commit_folders()
         self._root_n_samples = self.n_samples_committed
@@ -3510,18 +3559,189 @@ class StoreWriter:
                 tables.append(pa.table(cols))
             table = pa.concat_tables(tables, promote_options="default")
         info = self._row_tables[kind]
-        key = f"rows/{kind}/part-{len(info['parts']):06d}.parquet"
+        index = self._next_part_index(kind)
+        key = f"rows/{kind}/part-{index:06d}.parquet"
         sink = io.BytesIO()
         pq.write_table(table, sink)
         data = sink.getvalue()
         self._backend.set(key, data)
         self._document_bytes += len(data)
+        self._next_part[kind] = index + 1
+        self._part_sizes[key] = table.nbytes
         info["parts"].append(key)
         info.setdefault("crc32c", {})[key] = F.crc32c(data)
         info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows
         for name in table.column_names:
             if name not in info["columns"]:
                 info["columns"].append(name)
+
+    def _part_span(self, kind: str, key: str) -> tuple[int, int] | None:
+        """The commits ``(a, b)`` whose parts the row-table part ``key`` of ``kind`` holds, from
+        its name (:data:`_PART_NAME`); None for a name of another form (a store written
+        elsewhere): such a part is never merged."""
+        prefix = f"rows/{kind}/"
+        m = _PART_NAME.fullmatch(key[len(prefix):]) if isinstance(key, str) and key.startswith(prefix) else None
+        if m is None:
+            return None
+        a = int(m.group(1))
+        b = int(m.group(2)) if m.group(2) is not None else a
+        return (a, b) if b >= a else None
+
+    def _next_part_index(self, kind: str) -> int:
+        """The commit index the next part of ``kind`` is named by: past every part the table
+        lists (merged ones too), so that a name once listed never holds other rows, whatever a
+        reader opened before reads."""
+        index = self._next_part.get(kind)
+        if index is None:
+            parts = self._row_tables[kind].get("parts", [])
+            spans = [self._part_span(kind, key) for key in parts]
+            index = max([len(parts)] + [span[1] + 1 for span in spans if span is not None])
+            self._next_part[kind] = index
+        return index
+
+    def _merge_parts(self, kind: str) -> None:
+        """Commit, step 2 (after the commit's new part): when the row table of ``kind`` lists more
+        than :data:`ROW_PARTS_BEFORE_MERGE` parts, replace each run of
+        :data:`ROW_PART_MERGE_FACTOR` consecutive parts that hold as many commits' parts each,
+        of consecutive commits, by one part of their rows, until no such run is left (planned
+        first, so that each part written is one the table lists: :meth:`_merged_part`). The
+        table reads as before: the same rows, columns, order and types. The merged part is
+        written (and fsynced, with ``fsync``) before the root that lists it; the parts it
+        replaces stay until a root no longer lists them (:meth:`_drop_unlisted_parts`), so a
+        reader of the root before, or of a store killed in between, reads them."""
+        parts = self._row_tables[kind]["parts"]
+        if len(parts) <= ROW_PARTS_BEFORE_MERGE:
+            return
+        k = ROW_PART_MERGE_FACTOR
+        groups = [[key] for key in parts]  # the parts listed now that each part of the plan is made of
+        spans = [self._part_span(kind, key) for key in parts]
+        listed = set(parts)
+        merged = True
+        while merged:  # (each pass one walk over the parts: a store of 36,000 parts is merged in 8)
+            merged = False
+            i, next_groups, next_spans = 0, [], []
+            while i < len(groups):
+                run = spans[i:i + k]
+                if (len(run) == k and all(span is not None for span in run) and len({b - a for a, b in run}) == 1
+                        and all(run[j][1] + 1 == run[j + 1][0] for j in range(k - 1))):
+                    members = [key for group in groups[i:i + k] for key in group]
+                    sizes = [self._part_sizes.get(key) for key in members]
+                    span = (run[0][0], run[-1][1])
+                    name = f"rows/{kind}/part-{span[0]:06d}-{span[1]:06d}.parquet"  # (listed: a store from elsewhere)
+                    if (tuple(members) not in self._unmergeable and name not in listed
+                            and (None in sizes or sum(sizes) <= ROW_PART_MERGE_MAX_BYTES)):
+                        next_groups.append(members)
+                        next_spans.append(span)
+                        merged = True
+                        i += k
+                        continue
+                next_groups.append(groups[i])
+                next_spans.append(spans[i])
+                i += 1
+            groups, spans = next_groups, next_spans
+        out: list[str] = []
+        for group, span in zip(groups, spans):
+            key = self._merged_part(kind, group, span) if len(group) > 1 else None
+            out.extend(group if key is None else [key])
+        parts[:] = out
+
+    def _merged_part(self, kind: str, group: list[str], span: tuple[int, int]) -> str | None:
+        """Write the parts ``group`` of ``kind`` (commits ``span``) as one part,
+        ``part-<a>-<b>.parquet``, listed in their place in the table's crc32c; its key, or None
+        (nothing written) when they are not merged: one is missing or fails its crc32c (left as
+        it is for ``verify`` to name, never rewritten under a new crc32c), is no readable
+        Parquet, they decode to more than :data:`ROW_PART_MERGE_MAX_BYTES`, or the merged part
+        would not read back as their concatenation (the same columns, types and values).
+        Raises as the backend's ``set`` does (a full disk)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        b = self._backend
+        info = self._row_tables[kind]
+        crcs = info.get("crc32c") or {}
+        tables = []
+        for key in group:
+            raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
+            want = crcs.get(key)
+            if raw is None or (want is not None and F.crc32c(raw) != int(want)):
+                break
+            try:
+                tables.append(read_parquet_part(raw, b, key))
+            except StoreCorruptError:
+                break
+            if sum(t.nbytes for t in tables) > ROW_PART_MERGE_MAX_BYTES:
+                break
+        key = f"rows/{kind}/part-{span[0]:06d}-{span[1]:06d}.parquet"
+        data = None
+        if len(tables) == len(group):
+            try:
+                table = pa.concat_tables(tables, promote_options="default")
+                sink = io.BytesIO()
+                pq.write_table(table, sink)
+                back = read_parquet_part(sink.getvalue(), b, key)
+                if back.schema.equals(table.schema) and _same_values(back, table):
+                    data = sink.getvalue()
+            except Exception:  # noqa: BLE001 - parts pyarrow cannot join or write back: left as they are
+                data = None
+        if data is None:
+            self._unmergeable.add(tuple(group))
+            return None
+        self._dropped_parts.add(key)  # (removed after a root that does not list it: this commit failed)
+        b.set(key, data)
+        self._document_bytes += len(data)
+        self._part_sizes[key] = table.nbytes
+        self._dropped_parts.update(group)
+        crcs = info.setdefault("crc32c", {})
+        for old in group:
+            crcs.pop(old, None)
+        crcs[key] = F.crc32c(data)
+        return key
+
+    def _rename_part_an_older_writer_reuses(self, kind: str) -> None:
+        """Commit, step 2: a writer of an earlier version resuming this store names its next part
+        ``part-<number of parts listed>.parquet``; once merges made the table shorter, that may
+        be the name of a part it lists (``part-000016.parquet`` of a table of 16 parts), which
+        it would overwrite with other rows. Such a part is copied to ``part-<i>-<i>.parquet``
+        (the same bytes, the same commit), listed in its place, and removed after the root."""
+        info = self._row_tables[kind]
+        parts = info["parts"]
+        i = len(parts)
+        key = f"rows/{kind}/part-{i:06d}.parquet"
+        if key not in parts:
+            return
+        crcs = info.get("crc32c") or {}
+        raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
+        if raw is None or (key in crcs and F.crc32c(raw) != int(crcs[key])):
+            return  # (damaged: left as it is for verify to name)
+        new = f"rows/{kind}/part-{i:06d}-{i:06d}.parquet"
+        if new in parts:  # (a store written elsewhere listing both)
+            return
+        self._dropped_parts.add(new)  # (removed after a root that does not list it: this commit failed)
+        self._backend.set(new, raw)
+        self._dropped_parts.add(key)
+        parts[parts.index(key)] = new
+        if key in crcs:
+            crcs[new] = crcs.pop(key)
+        if key in self._part_sizes:
+            self._part_sizes[new] = self._part_sizes[key]
+
+    def _drop_unlisted_parts(self) -> None:
+        """After a root: remove the row-table parts a merge replaced (and merged parts of a
+        commit that failed before its root) that the root does not list. A part that cannot be
+        removed now is tried again after the next root (a resume removes every part the root
+        does not list)."""
+        if not self._dropped_parts:
+            return
+        listed = {key for t in self._row_tables.values() for key in t.get("parts", [])}
+        failed = set()
+        for key in sorted(self._dropped_parts - listed):
+            try:
+                self._backend.delete(key)
+            except (OSError, StoreError):
+                failed.add(key)
+                continue
+            self._part_sizes.pop(key, None)
+        self._dropped_parts = failed
 
     # ------------------------------------------------------------------ reductions
     def add_reductions(self, hook_point: str, name: str, reduction: Any, script_path: str | os.PathLike | None = None,
