@@ -16,7 +16,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
