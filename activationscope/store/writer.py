@@ -2020,6 +2020,7 @@ class StoreWriter:
                                       key=key)
         except StoreError:
             return {}
+        # (every segment read and checked: a damaged one refuses the resume, naming it, before anything is deleted)
         return {int(k): int(rec["file_bytes"]) for k, rec in shards.items() if isinstance(rec.get("file_bytes"), int)}
 
     def _shard_damage(self, key: str, file_bytes: int | None) -> str | None:
@@ -2571,8 +2572,10 @@ class StoreWriter:
             return {}
         shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=key), self._old_arrays[arr.hook_point],
                                   store=self._backend, key=key)
-        # its segments of committed full shards stay as they are (their records are not loaded); the
-        # records of the shards after them, up to the committed rows, are the writer's again
+        # its segments of committed full shards stay as they are, checked once (a damaged one refuses the
+        # resume, as a damaged manifest does, before anything is written); the records of the shards
+        # after them, up to the committed rows, are the writer's again
+        shards.load_all()
         full = arr.committed_rows // arr.shard_rows
         arr.segments = [dict(e) for e in shards.segments if e["end"] <= full]
         end = arr.segments[-1]["end"] if arr.segments else 0

@@ -390,3 +390,36 @@ def test_a_commit_of_rank_stores_seals_the_merged_manifests(tmp_path, monkeypatc
         assert dict(ma.items()) == dict(mb.items())
     torch.testing.assert_close(a.reductions["0.output"]["mean"], b.reductions["0.output"]["mean"], rtol=0, atol=0)
     assert b.verify() == []
+
+
+@pytest.mark.parametrize("damage", ["bad crc32c", "missing", "truncated shard"])
+def test_a_resume_refuses_a_damaged_segment_or_sealed_shard_before_it_changes_anything(segmented, damage):
+    path, _ = segmented
+    if damage == "truncated shard":  # shard 1 is listed in the segment [0, 2) only
+        p = path / "acts" / HP / "c" / "1" / "0"
+        p.write_bytes(p.read_bytes()[:-8])
+        message = r"c/1/0.*bytes where its manifest records"
+    else:
+        DAMAGE[damage][0](path)
+        message = DAMAGE[damage][1]
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != ".activationscope-writer.lock"}
+    with pytest.raises(StoreCorruptError, match=message):
+        StoreWriter(path, resume=True)
+    after = {p: p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != ".activationscope-writer.lock"}
+    assert after == before
+
+
+def test_a_remote_resume_refuses_a_damaged_segment_when_it_opens_the_array(segmented):
+    path, _ = segmented
+    url = f"memory://acs-segments/{os.getpid()}-{random.getrandbits(32):08x}.zarr"
+    copy_store(str(path), url)
+    from activationscope.store._backend import resolve
+
+    b = resolve(url)
+    raw = b.get(f"acts/{HP}/manifest.2.json")
+    b.set(f"acts/{HP}/manifest.2.json", raw.replace(b'"rows_end": 192', b'"rows_end": 191'))  # (same size)
+    w = StoreWriter(url, resume=True)
+    with pytest.raises(StoreCorruptError, match=r"manifest segment acts/0\.output/manifest\.2\.json has crc32c"):
+        w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    w.abort(RuntimeError("refused"))
+    assert open_store(url).n_rows(HP) == 320
