@@ -889,6 +889,12 @@ class Manifest(Mapping):
     def __len__(self) -> int:
         return sum(e["end"] - e["first"] for e in self.segments) + len(self._tail)
 
+    def n_listed(self, last: int) -> int:
+        """How many of shards ``0 .. last`` are listed, without reading a segment (a segment's
+        range counts whole: its records are checked when it is read)."""
+        n = sum(max(0, min(e["end"], last + 1) - e["first"]) for e in self.segments)
+        return n + sum(1 for k in self._tail if k <= last)
+
     def load_all(self) -> None:
         """Read and check every segment (``verify``): the first bad one raises."""
         for i in range(len(self.segments)):

@@ -1565,7 +1565,7 @@ class Store:
                 if rec is None:
                     raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
                                                    f"needs shards 0..{last} ({shard_rows} rows each)")
-                listed = sum(1 for k in shards if k <= last)
+                listed = shards.n_listed(last)  # (not one step per shard of the segments: they may claim any number)
                 if listed != last + 1:  # every shard of the committed rows is listed (bounds what n_rows can claim)
                     first = next(k for k in range(last + 1) if k not in shards)
                     raise V.corrupt(self._backend, f"manifest {man_key} lists {listed} of the {last + 1} shards that "

@@ -423,3 +423,25 @@ def test_a_remote_resume_refuses_a_damaged_segment_when_it_opens_the_array(segme
         w.open_array(HP, (FEATURE,), torch.float32, "sample")
     w.abort(RuntimeError("refused"))
     assert open_store(url).n_rows(HP) == 320
+
+
+def test_a_segment_claiming_trillions_of_shards_is_counted_without_a_step_per_shard(segmented):
+    # the open counts the shards the manifest lists up to the last committed one: a segment's range
+    # counts at once (one step per shard number of a range of 2**40 would never end), and the
+    # missing shard file is named
+    from hostile import edit_root
+
+    path, _ = segmented
+    last = (1 << 40) - 1
+    n = (last + 1) * SHARD_ROWS
+    edit_root(path, lambda a: a["arrays"][HP].update(n_rows=n))
+    doc = json.loads((path / "acts" / HP / "zarr.json").read_text())
+    doc["shape"][0] = n
+    (path / "acts" / HP / "zarr.json").write_text(json.dumps(doc))
+    index = _index(path)
+    tail = {**index["shards"][0], "shard": last, "key": f"acts/{HP}/c/{last}/0", "rows_end": n}
+    index["segments"] = [{**index["segments"][0], "end": last}]
+    index["shards"] = [tail]
+    _write_index(path, index)
+    with pytest.raises(StoreCorruptError, match=rf"shard 'acts/0\.output/c/{last}/0' is missing"):
+        open_store(path)[HP, 0:1]
