@@ -22,8 +22,15 @@ from ..errors import ArgumentTypeError, ArgumentValueError
 FORMAT_NAME = "activationscope"
 FORMAT_VERSION = 1
 #: Highest version readers accept: 2 = stores committed from rank stores (FORMAT.md section 10),
-#: 3 = stores that keep reductions only (FORMAT.md section 11).
-MAX_READ_VERSION = 3
+#: 3 = stores that keep reductions only (FORMAT.md section 11), 4 = stores with a segmented
+#: manifest (FORMAT.md section 5).
+MAX_READ_VERSION = 4
+#: The version of a store (a store of one process, a rank store, or a root committed from rank
+#: stores) any of whose array manifests has segments (FORMAT.md section 5).
+SEGMENTS_VERSION = 4
+#: Full committed shards of one array sealed into each manifest segment (FORMAT.md section 5): a
+#: manifest lists at most about this many shards itself, whatever the array's length.
+MANIFEST_SEGMENT_SHARDS = 1024
 #: The version of a store that keeps reductions only, no activation rows (FORMAT.md section 11).
 REDUCTIONS_ONLY_VERSION = 3
 ATTRS_KEY = "activationscope"
@@ -600,3 +607,66 @@ def committed_reduction_files(entries: Any, name: str) -> list[str]:
         if doc is not None:
             keys.add(doc)
     return sorted(keys)
+
+
+def segment_key(manifest_key: str, first: int) -> str:
+    """Key of the manifest segment whose first shard is ``first`` (FORMAT.md section 5): the
+    file ``manifest.<first>.json`` next to the manifest ``manifest_key``. Derived, never read
+    from a document."""
+    return f"{manifest_key.rpartition('/')[0]}/manifest.{int(first)}.json"
+
+
+def manifest_documents(hook_point: str, chunk_rows: int, shard_rows: int, manifest_key: str,
+                       segments: list[dict], records: dict[int, dict], sealable: int,
+                       encode: Any = None) -> tuple[bytes, dict[str, bytes], list[dict], list[int]]:
+    """The manifest of an array (FORMAT.md section 5) and the segments to write before it.
+
+    Each block of :data:`MANIFEST_SEGMENT_SHARDS` shards of ``records`` that follows the last
+    segment (shard 0 on without one) and lies below ``sealable`` is sealed into a new segment,
+    in order; the manifest lists ``segments`` (plus the new ones, appended to it) and the
+    records left. Without any segment the manifest is the document of format version 1, byte
+    for byte.
+
+    Parameters
+    ----------
+    hook_point, chunk_rows, shard_rows : the array's (``chunk_rows``, ``shard_rows`` in rows).
+    manifest_key : str
+        The manifest's key (``acts/<node>/manifest.json``); segment keys are derived from it.
+    segments : list of dict
+        The segments listed so far, ``{"first", "end", "file_bytes", "crc32c"}`` each (not
+        changed).
+    records : dict
+        ``{shard: record}`` of the shards not in a segment, each at or past the last segment's
+        ``end``; not changed (the caller drops the sealed ones).
+    sealable : int
+        Shards ``0 .. sealable - 1`` are full and committed: their records never change again
+        (a root already lists their rows), so they may be sealed.
+    encode : callable, optional
+        ``encode(shard, record) -> str``, the JSON of one record (a cache); default
+        ``json.dumps``.
+
+    Returns
+    -------
+    (manifest bytes, {segment key: bytes} of the new segments, the segments it lists, shards sealed)
+    """
+    enc = encode or (lambda _s, rec: json.dumps(rec))
+    segments = list(segments)
+    n = max(1, int(MANIFEST_SEGMENT_SHARDS))
+    new: dict[str, bytes] = {}
+    sealed: list[int] = []
+    end = int(segments[-1]["end"]) if segments else 0
+    while end + n <= sealable and all(s in records for s in range(end, end + n)):
+        head = json.dumps({"hook_point": hook_point, "first": end, "end": end + n, "shards": []})
+        data = (head[:-3] + "[" + ", ".join(enc(s, records[s]) for s in range(end, end + n)) + "]}").encode()
+        new[segment_key(manifest_key, end)] = data
+        segments.append({"first": end, "end": end + n, "file_bytes": len(data), "crc32c": crc32c(data)})
+        sealed += range(end, end + n)
+        end += n
+    done = set(sealed)
+    parts = [enc(s, records[s]) for s in sorted(records) if s not in done]
+    head: dict[str, Any] = {"hook_point": hook_point, "chunk_rows": chunk_rows, "shard_rows": shard_rows}
+    if segments:
+        head["segments"] = segments
+    head["shards"] = []
+    text = json.dumps(head)
+    return (text[:-3] + "[" + ", ".join(parts) + "]}").encode(), new, segments, sealed

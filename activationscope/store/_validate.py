@@ -3,15 +3,19 @@
 A store may come from someone else: every key, size, shape and count taken from its
 metadata is checked here, with plain Python ints (no overflow), before a file is opened,
 a byte is allocated or anything is deleted. A violation raises :class:`StoreCorruptError`
-naming the file, the field, what is wrong and the fix. Pure: no I/O.
+naming the file, the field, what is wrong and the fix. Pure: no I/O, except the manifest
+segments a :class:`Manifest` reads, when asked for their records, through the backend (or the
+function) it was given.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 from .._safeio import (FIX, MAX_FILE_BYTES, MAX_JSON_BYTES, corrupt, required_columns,  # noqa: F401 - re-exported
                        row_part_problem)
@@ -813,12 +817,145 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
     return out
 
 
-def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True) -> dict[int, dict]:
+def _check_record(rec: Any, f: str, c: "_Checker", n_chunks: int, check_chunks: bool) -> int:
+    """One manifest record (a shard's), checked; its shard number."""
+    c.dict(rec, f)
+    k = c.int(rec, "shard", f"{f}.shard", 0, MAX_ROWS)
+    c.int(rec, "file_bytes", f"{f}.file_bytes", 0, 1 << 62)
+    if check_chunks:
+        check_chunk_entries(rec, n_chunks, store=c.store, key=c.key, field=f)
+    elif not isinstance(rec.get("chunks", []), list):
+        raise c.fail(f"{f}.chunks", "a list", rec.get("chunks"))
+    return k
+
+
+class Manifest(Mapping):
+    """``{shard: record}`` of an array's manifest (FORMAT.md section 5): the records its index
+    ``manifest.json`` lists, and those of its segments ``manifest.<first>.json``, each segment
+    read and checked the first time one of its shards is looked up (a random row read parses
+    one segment, not all; iterating the keys or ``in`` reads none; ``items()``, ``values()``
+    read every one). Shards are ints; a segment that is missing, of another size or crc32c
+    than the index records, over 64 MiB, or whose fields disagree with the index raises
+    :class:`StoreCorruptError` naming the segment's key and the field.
+
+    Attributes
+    ----------
+    segments : list of dict
+        The index's segments, ``{"first", "end", "file_bytes", "crc32c"}`` each, contiguous from
+        shard 0 (shards ``first .. end - 1``; ``file_bytes`` in bytes).
+    key : str
+        The index's key.
+    """
+
+    def __init__(self, tail: dict[int, dict], segments: list[dict], *, hook_point: Any, n_chunks: int, store: Any,
+                 key: str, check_chunks: bool, fetch: Callable[[str], Any] | None) -> None:
+        self._tail, self.segments, self.key = tail, segments, key
+        self._firsts = [e["first"] for e in segments]
+        self._hook_point, self._n_chunks, self._store = hook_point, n_chunks, store
+        self._check_chunks, self._fetch = check_chunks, fetch
+        self._loaded: dict[int, dict[int, dict]] = {}
+
+    def _segment_of(self, shard: Any) -> int | None:
+        if not isinstance(shard, int) or isinstance(shard, bool):
+            return None
+        i = bisect.bisect_right(self._firsts, shard) - 1
+        return i if i >= 0 and shard < self.segments[i]["end"] else None
+
+    def key_of(self, shard: int) -> str:
+        """The key of the document that lists ``shard``: its segment's, or the index's."""
+        i = self._segment_of(shard)
+        return self.key if i is None else F.segment_key(self.key, self.segments[i]["first"])
+
+    def __getitem__(self, shard: Any) -> dict:
+        rec = self._tail.get(shard)
+        if rec is not None:
+            return rec
+        i = self._segment_of(shard)
+        if i is None:
+            raise KeyError(shard)
+        got = self._loaded.get(i)
+        if got is None:
+            got = self._loaded[i] = self._load(i)
+        return got[shard]
+
+    def __contains__(self, shard: Any) -> bool:
+        return shard in self._tail or self._segment_of(shard) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        for e in self.segments:
+            yield from range(e["first"], e["end"])
+        yield from self._tail
+
+    def __len__(self) -> int:
+        return sum(e["end"] - e["first"] for e in self.segments) + len(self._tail)
+
+    def n_listed(self, last: int) -> int:
+        """How many of shards ``0 .. last`` are listed, without reading a segment (a segment's
+        range counts whole: its records are checked when it is read)."""
+        n = sum(max(0, min(e["end"], last + 1) - e["first"]) for e in self.segments)
+        return n + sum(1 for k in self._tail if k <= last)
+
+    def load_all(self) -> None:
+        """Read and check every segment (``verify``): the first bad one raises."""
+        for i in range(len(self.segments)):
+            if i not in self._loaded:
+                self._loaded[i] = self._load(i)
+
+    def _load(self, i: int) -> dict[int, dict]:
+        e = self.segments[i]
+        first, end = e["first"], e["end"]
+        skey = F.segment_key(self.key, first)
+        listed = f"the manifest {self.key} lists it (segments[{i}], shards {first}..{end - 1})"
+        fetch = self._fetch or (lambda k: self._store.get(k, max_bytes=MAX_JSON_BYTES))
+        raw = fetch(skey)
+        if raw is None:
+            raise corrupt(self._store, f"manifest segment {skey} is missing, but {listed}")
+        raw = bytes(raw)
+        if len(raw) != e["file_bytes"]:
+            raise corrupt(self._store, f"manifest segment {skey} holds {len(raw)} bytes, but {listed} with file_bytes "
+                                       f"{e['file_bytes']}: it is damaged or not this manifest's")
+        got = F.crc32c(raw)
+        if got != e["crc32c"]:
+            raise corrupt(self._store, f"manifest segment {skey} has crc32c {got}, but {listed} with crc32c "
+                                       f"{e['crc32c']}: it is damaged or not this manifest's")
+        doc = loads_json(raw, store=self._store, key=skey)
+        c = _Checker(self._store, skey)
+        c.dict(doc, "(document)")
+        for name, want in (("hook_point", self._hook_point), ("first", first), ("end", end)):
+            if doc.get(name, ...) != want or isinstance(doc.get(name), bool):
+                raise c.fail(name, f"{want!r} (what {listed} says)", doc.get(name, "no such field"))
+        shards = doc.get("shards")
+        if not isinstance(shards, list) or len(shards) != end - first:
+            raise c.fail("shards", f"a list of {end - first} records (shards {first}..{end - 1})",
+                         f"{len(shards)} records" if isinstance(shards, list) else shards)
+        out: dict[int, dict] = {}
+        for j, rec in enumerate(shards):
+            k = _check_record(rec, f"shards[{j}]", c, self._n_chunks, self._check_chunks)
+            if not first <= k < end:
+                raise c.fail(f"shards[{j}].shard", f"in {first}..{end - 1} (the shards of this segment)", k)
+            if k in out:
+                raise c.fail(f"shards[{j}].shard", "unique", k)
+            out[k] = rec
+        return out
+
+
+def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True,
+                   fetch: Callable[[str], Any] | None = None) -> Manifest:
     """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array.
+
+    The index is checked now (its records, and its segments: contiguous from shard 0, each of
+    at least one shard, the records after the last one's ``end``); each segment when one of its
+    shards is first looked up (:class:`Manifest`), read with ``fetch(key) -> bytes or None``
+    (default: ``store.get`` up to 64 MiB).
 
     ``check_chunks=False`` leaves each record's ``chunks`` list to :func:`check_chunk_entries`,
     called before that shard's entries are used (a large layer lists thousands of chunks, which
-    a memory-mapped read never looks at)."""
+    a memory-mapped read never looks at).
+
+    Raises
+    ------
+    StoreCorruptError
+        A field of the index (or, when read, of a segment) breaks a rule: named with its key."""
     c = _Checker(store, key)
     c.dict(doc, "(document)")
     shards = doc.get("shards", [])
@@ -828,21 +965,32 @@ def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: 
         if name in doc and doc[name] != meta[name]:
             raise corrupt(store, f"manifest {key} says {name} {doc[name]!r}, but the root document zarr.json says "
                                  f"{meta[name]!r} for its array {meta['path']!r}: the two disagree")
+    segments = doc.get("segments", [])
+    if not isinstance(segments, list):
+        raise c.fail("segments", "a list", segments)
+    end = 0
+    for i, e in enumerate(segments):
+        f = f"segments[{i}]"
+        c.dict(e, f)
+        first = c.int(e, "first", f"{f}.first", 0, MAX_ROWS)
+        if first != end:
+            what = "a gap" if first > end else "an overlap"
+            raise c.fail(f"{f}.first", f"{end} (segments follow each other from shard 0; {what} otherwise)", first)
+        end = c.int(e, "end", f"{f}.end", first + 1, MAX_ROWS)
+        c.int(e, "file_bytes", f"{f}.file_bytes", 1, MAX_JSON_BYTES)
+        c.int(e, "crc32c", f"{f}.crc32c", 0, (1 << 32) - 1)
     n_chunks = meta["shard_rows"] // meta["chunk_rows"]
     out: dict[int, dict] = {}
     for i, rec in enumerate(shards):
         f = f"shards[{i}]"
-        c.dict(rec, f)
-        k = c.int(rec, "shard", f"{f}.shard", 0, MAX_ROWS)
-        c.int(rec, "file_bytes", f"{f}.file_bytes", 0, 1 << 62)
-        if check_chunks:
-            check_chunk_entries(rec, n_chunks, store=store, key=key, field=f)
-        elif not isinstance(rec.get("chunks", []), list):
-            raise c.fail(f"{f}.chunks", "a list", rec.get("chunks"))
+        k = _check_record(rec, f, c, n_chunks, check_chunks)
+        if k < end:
+            raise c.fail(f"{f}.shard", f"at least {end} (shards 0..{end - 1} are in the segments)", k)
         if k in out:
             raise c.fail(f"{f}.shard", "unique", k)
         out[k] = rec
-    return out
+    return Manifest(out, [dict(e) for e in segments], hook_point=doc.get("hook_point"), n_chunks=n_chunks,
+                    store=store, key=key, check_chunks=check_chunks, fetch=fetch)
 
 
 def check_chunk_entries(rec: dict, n_chunks: int, *, store: Any, key: str, field: str = "shards[]") -> list:

@@ -896,6 +896,8 @@ def _check_rank_shards(hp: str, meta: dict, stores: list[Store], local: bool,
             doc = None if raw is None else V.loads_json(raw, store=st._backend, key=key)
             recs = {} if raw is None else V.parse_manifest(doc, entry, store=st._backend, key=key,
                                                            check_chunks=False)
+            if isinstance(recs, V.Manifest):
+                recs.load_all()  # (its segments, each checked: every record is used below)
         except StoreCorruptError as e:
             what = str(e).removesuffix(f"; {V.FIX}")
             raise StoreCorruptError(f"rank {r}: {what}; {fix}") from None
@@ -1231,6 +1233,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
         _remove_store_objects(b)
     arrays: dict[str, dict] = {}
     summary: dict[str, dict] = {}
+    segmented = False  # a manifest with segments (FORMAT.md section 5): format version 4
     for hp in hps:
         meta = metas[hp]
         kind, S = meta["row_kind"], int(meta["shard_rows"])
@@ -1283,8 +1286,14 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                 shutil.rmtree(staging, ignore_errors=True)
         n_total = sum(ns)
         follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in held)
-        b.set(f"{path}/manifest.json", json.dumps({"hook_point": hp, "chunk_rows": meta["chunk_rows"],
-                                                   "shard_rows": S, "shards": manifest}).encode())
+        # every full shard is committed by this commit's root (written last; a rerun writes the same
+        # segments again): each block of MANIFEST_SEGMENT_SHARDS is sealed into a segment, written first
+        man_doc, segment_docs, segments, _sealed = F.manifest_documents(
+            hp, meta["chunk_rows"], S, f"{path}/manifest.json", [], {int(r["shard"]): r for r in manifest}, n_total // S)
+        for key, data in segment_docs.items():
+            b.set(key, data)
+        b.set(f"{path}/manifest.json", man_doc)
+        segmented = segmented or bool(segments)
         attrs = {F.ATTRS_KEY: {"hook_point": hp, "dtype": meta["dtype"], "row_kind": kind}}
         doc = F.array_document(n_rows=n_total, feature_shape=tuple(meta["feature_shape"]), dtype=meta["dtype"],
                                chunk_rows=int(meta["chunk_rows"]), shard_chunks=S // int(meta["chunk_rows"]),
@@ -1349,7 +1358,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                     entries_out[name].setdefault("crc32c", {})[src_script] = int(_native.load().crc32c(data))
     first = held[0].attrs
     attrs = {
-        "format": {"name": F.FORMAT_NAME, "version": DISTRIBUTED_FORMAT_VERSION},
+        "format": {"name": F.FORMAT_NAME, "version": F.SEGMENTS_VERSION if segmented else DISTRIBUTED_FORMAT_VERSION},
         "status": "complete",
         "created": root_attrs.get("created") or first.get("created"),
         **({"run_id": root_attrs["run_id"]} if isinstance(root_attrs.get("run_id"), str) else {}),

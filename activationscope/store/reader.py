@@ -436,7 +436,8 @@ class _ChunkCrcs:
         got = self._by_shard.get(shard)
         if got is None:
             rec = self._shards.get(shard) or {}
-            chunks = V.check_chunk_entries(rec, self._n_chunks, store=self._store, key=self._key,
+            key = self._shards.key_of(shard) if isinstance(self._shards, V.Manifest) else self._key
+            chunks = V.check_chunk_entries(rec, self._n_chunks, store=self._store, key=key,
                                            field=f"shards[{shard}]") if rec else []
             got = {ch[0]: (ch[1], ch[2], ch[3]) for ch in chunks}
             self._by_shard[shard] = got
@@ -1558,12 +1559,13 @@ class Store:
                 if man is None:
                     raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
                 shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
-                                          store=self._backend, key=man_key, check_chunks=False)
+                                          store=self._backend, key=man_key, check_chunks=False,
+                                          fetch=self._read_manifest_segment)
                 rec = shards.get(last)
                 if rec is None:
                     raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
                                                    f"needs shards 0..{last} ({shard_rows} rows each)")
-                listed = sum(1 for k in shards if k <= last)
+                listed = shards.n_listed(last)  # (not one step per shard of the segments: they may claim any number)
                 if listed != last + 1:  # every shard of the committed rows is listed (bounds what n_rows can claim)
                     first = next(k for k in range(last + 1) if k not in shards)
                     raise V.corrupt(self._backend, f"manifest {man_key} lists {listed} of the {last + 1} shards that "
@@ -1580,6 +1582,12 @@ class Store:
             if self._current(meta):
                 self._checked[path] = crcs
         return crcs
+
+    def _read_manifest_segment(self, key: str) -> bytes | None:
+        """A manifest segment (FORMAT.md section 5), read when a shard of it is first looked up:
+        a file opened lazily, so the root is checked after the read (:meth:`_reads_of_the_opened_run`)."""
+        with self._reads_of_the_opened_run():
+            return self._backend.get(key, max_bytes=V.MAX_JSON_BYTES)
 
     def _current(self, meta: dict) -> bool:
         """Whether ``meta`` is an array entry of the commit read last (not one a reader took
@@ -3443,6 +3451,7 @@ class Store:
             return
         man_doc = V.loads_json(man_raw, store=self._backend, key=meta["manifest"])
         shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"])
+        shards.load_all()  # (every segment read and checked: a bad one is named as such)
         if raw is not None and doc_rows > n:
             problems += self._shape_problems(hp, meta, doc_key, doc_rows, shards)
         committed_shards = [k for k in shards if k * shard_rows < n]

@@ -80,9 +80,11 @@ _SERIAL_WRITE_S = 0.001
 #: The partial shards an array holding the commits back has written (:meth:`StoreWriter._request_partial_shards`)
 #: stay within this share of the bytes the capture appends (uncompressed): at most 25% more written.
 PARTIAL_REWRITE_SHARE = 0.25
-#: Each commit rewrites documents that grow with the run (every manifest lists all its array's shards;
-#: the root every row-table part, which merges keep few): committed every interval, a long capture would
-#: write them quadratically often. Past :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
+#: Each commit rewrites documents: the root, which lists every row-table part (merges keep them few),
+#: and each advanced array's manifest, which lists the shards after its segments (up to about twice
+#: ``MANIFEST_SEGMENT_SHARDS``, FORMAT.md section 5): committed every interval, a capture of small
+#: shards would write the manifests and the root far more often than its rows. Past
+#: :data:`DOCUMENT_ALLOWANCE_BYTES` written by commits,
 #: :meth:`StoreWriter.maybe_commit` waits until the documents written stay within this share of the
 #: bytes the capture appended (uncompressed), or :data:`DOCUMENT_MAX_WAIT_S` passed since the last commit.
 DOCUMENT_SHARE = 0.25
@@ -281,10 +283,13 @@ class _Array:
     writer: Any = None
     committed_rows: int = 0
     follows_row_table: bool = True
-    manifest: dict = field(default_factory=dict)  # shard -> record
-    # shard -> (record, its JSON): a manifest lists every shard and is written whole at each
-    # commit that lists a new one, so each record is encoded once, not at every commit
+    manifest: dict = field(default_factory=dict)  # shard -> record, of the shards not in a segment
+    # shard -> (record, its JSON): the manifest lists the shards not in a segment and is written whole
+    # at each commit that lists a new one, so each record is encoded once, not at every commit
     manifest_json: dict = field(default_factory=dict)
+    # the manifest's segments (FORMAT.md section 5), {"first", "end", "file_bytes", "crc32c"} each: the
+    # records of their shards are written once, into the segment, and dropped from ``manifest``
+    segments: list = field(default_factory=list)
     listed_rows: int = 0  # rows the shards taken into the manifest hold (their largest rows_end)
     manifest_dirty: bool = False  # a new array has no manifest until its first durable shard
     doc_rows: int = -1  # rows in the written zarr.json (-1: not written)
@@ -323,20 +328,30 @@ class _Array:
         chunk = self.chunk_rows * self.row_nbytes
         return min(V.MAX_FILE_BYTES, self.shard_chunks * (chunk + chunk // 128 + 1024 + 16) + 4)
 
-    def manifest_bytes(self) -> bytes:
-        """The manifest document (FORMAT.md section 5), as ``json.dumps`` writes it; each shard's
-        record encoded once (a record replaced since, e.g. a partial shard's rewrite, again)."""
-        parts = []
-        for s in sorted(self.manifest):
-            rec, hit = self.manifest[s], self.manifest_json.get(s)
-            if hit is None or hit[0] is not rec:
-                hit = self.manifest_json[s] = (rec, json.dumps(rec))
-            parts.append(hit[1])
+    def _record_json(self, s: int, rec: dict) -> str:
+        hit = self.manifest_json.get(s)
+        if hit is None or hit[0] is not rec:
+            hit = self.manifest_json[s] = (rec, json.dumps(rec))
+        return hit[1]
+
+    def manifest_bytes(self, sealable: int = 0) -> tuple[bytes, dict[str, bytes], list, list]:
+        """The manifest document (FORMAT.md section 5), as ``json.dumps`` writes it, the new
+        segments (``{key: bytes}``) to write before it, the segments it lists and the shards
+        sealed (:func:`~activationscope.store._format.manifest_documents`; ``sealable``: full
+        shards a root lists); :meth:`sealed` takes the result once they are written. Each
+        shard's record is encoded once (a record replaced since, e.g. a partial shard's
+        rewrite, again)."""
         for s in [s for s in self.manifest_json if s not in self.manifest]:
             del self.manifest_json[s]
-        head = json.dumps({"hook_point": self.hook_point, "chunk_rows": self.chunk_rows,
-                           "shard_rows": self.shard_rows, "shards": []})
-        return (head[:-3] + "[" + ", ".join(parts) + "]}").encode()
+        return F.manifest_documents(self.hook_point, self.chunk_rows, self.shard_rows, f"{self.path}/manifest.json",
+                                    self.segments, self.manifest, sealable, self._record_json)
+
+    def sealed(self, segments: list, shards: list) -> None:
+        """The segments of :meth:`manifest_bytes` are written: drop their records from memory."""
+        self.segments = segments
+        for s in shards:
+            del self.manifest[s]
+            self.manifest_json.pop(s, None)
 
     def meta(self) -> dict:
         return {
@@ -1039,14 +1054,15 @@ class StoreWriter:
         forward): rows made durable since the last commit are listed by the next one, so a
         crash loses at most about this many seconds of captured rows (a resume captures them
         again). 0 commits after every forward that completed a shard. Each commit rewrites
-        every array's manifest and document and the root, so committing at every shard of a
-        fast capture costs more than the capture's own bookkeeping. :meth:`commit` and
+        every advanced array's manifest (the shards after its segments, at most about
+        2048: ``store/FORMAT.md`` section 5) and document and the root, so committing at every
+        shard of a fast capture costs more than the capture's own bookkeeping. :meth:`commit` and
         :meth:`close` commit at once. An array that holds the commits back (a hook point called
         in some forwards only) has its open shard written as a partial shard at most once per
         interval, up to a shard's bytes each time, while the partial shards written stay within
         ``PARTIAL_REWRITE_SHARE`` (25%) of the bytes captured. Once commits wrote
-        ``DOCUMENT_ALLOWANCE_BYTES`` (64 MiB) of documents and row-table parts (a manifest lists
-        every shard of its array, the root every part), :meth:`maybe_commit` also waits until
+        ``DOCUMENT_ALLOWANCE_BYTES`` (64 MiB) of documents and row-table parts (the root lists
+        every part, one a commit; a manifest the shards after its segments), :meth:`maybe_commit` also waits until
         they are within ``DOCUMENT_SHARE`` (25%) of the bytes captured, or
         ``DOCUMENT_MAX_WAIT_S`` (60 s) passed since the last commit: a long capture commits less
         often, so that what its commits write grows with its rows, not with their square. A
@@ -1333,6 +1349,8 @@ class StoreWriter:
         raw = None if self._replacing else self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
         self._state: dict | None = None
         self._found_root: bytes | None = None  # resume: the root as found (discard() puts it back)
+        # a manifest of the store has segments (found so, or sealed by this run): format version 4
+        self._segmented = False
         if raw is not None:
             ours = V.parse_root(raw, store=self._backend)  # every path and size checked before use
             status = (ours or {}).get("status", "not an activationscope store")
@@ -1353,6 +1371,7 @@ class StoreWriter:
                     self._refuse_unwritable_folder()
                 self._state = ours
                 self._found_root = bytes(raw)
+                self._segmented = ours["format"]["version"] == F.SEGMENTS_VERSION
             else:
                 raise StoreExistsError(
                     f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
@@ -1752,7 +1771,8 @@ class StoreWriter:
         # aliases (FORMAT.md section 11: a version 2 reader refuses it, never reads it as a store of no rows)
         only = self.reductions_only
         return {
-            "format": {"name": F.FORMAT_NAME, "version": F.REDUCTIONS_ONLY_VERSION if only else F.FORMAT_VERSION},
+            "format": {"name": F.FORMAT_NAME, "version": F.REDUCTIONS_ONLY_VERSION if only else
+                       F.SEGMENTS_VERSION if self._segmented else F.FORMAT_VERSION},
             "status": status,
             "created": self._created,
             "run_id": self._run_id,
@@ -2045,6 +2065,7 @@ class StoreWriter:
                                       key=key)
         except StoreError:
             return {}
+        # (every segment read and checked: a damaged one refuses the resume, naming it, before anything is deleted)
         return {int(k): int(rec["file_bytes"]) for k, rec in shards.items() if isinstance(rec.get("file_bytes"), int)}
 
     def _shard_damage(self, key: str, file_bytes: int | None) -> str | None:
@@ -2596,7 +2617,14 @@ class StoreWriter:
             return {}
         shards = V.parse_manifest(V.loads_json(raw, store=self._backend, key=key), self._old_arrays[arr.hook_point],
                                   store=self._backend, key=key)
-        return {k: rec for k, rec in shards.items() if k * arr.shard_rows < arr.committed_rows}
+        # its segments of committed full shards stay as they are, checked once (a damaged one refuses the
+        # resume, as a damaged manifest does, before anything is written); the records of the shards
+        # after them, up to the committed rows, are the writer's again
+        shards.load_all()
+        full = arr.committed_rows // arr.shard_rows
+        arr.segments = [dict(e) for e in shards.segments if e["end"] <= full]
+        end = arr.segments[-1]["end"] if arr.segments else 0
+        return {k: shards[k] for k in shards if k >= end and k * arr.shard_rows < arr.committed_rows}
 
     def _start_encoder(self) -> None:
         if self._encoder_thread is not None:
@@ -3190,7 +3218,7 @@ class StoreWriter:
             if not a.recorded:  # no root lists it: it gets no document
                 continue
             if a.manifest_dirty:
-                writes.append((f"{a.path}/manifest.json", a.manifest_bytes()))
+                writes.append((f"{a.path}/manifest.json", a.manifest_bytes()[0]))
             # an array without rows gets its document with its first rows, or at the close
             # (until then the root lists it with n_rows 0: one file per commit, not one per array)
             if a.doc_rows != a.committed_rows and (a.committed_rows > 0 or force):
@@ -3230,9 +3258,45 @@ class StoreWriter:
         if self._aside is not None and (self._n_batches > 0 or (self._closed and not self._failing
                                                                 and status == "complete")):
             self._settle_aside(keep_new=True)  # the new store has committed: the old one goes
+        if self._found_files is None:  # (a resume that may still be discarded seals nothing)
+            self._seal_manifests(status)
         if not self._closed:  # the next commit will rewrite these: make their files now
             self._reserve([key for key, _ in writes] + ["zarr.json"])
         return k > 0 or force
+
+    def _seal_manifests(self, status: str) -> None:
+        """After a commit's root: seal each block of ``MANIFEST_SEGMENT_SHARDS`` full shards that
+        the root lists and no segment holds into a segment (FORMAT.md section 5), so that what a
+        commit writes grows with its new shards, not with all of them. The root first again
+        with format version 4 (the store's first segment), then the segments, then the
+        manifests that list them. Only shards of committed rows are sealed, whose records never
+        change: a writer killed at any point leaves segments that a later run writes again
+        byte for byte, and manifests that list none past the root's rows."""
+        segment_writes: list[tuple[str, bytes]] = []
+        writes: list[tuple[str, bytes]] = []
+        done = []
+        for a in self._arrays.values():
+            sealable = a.committed_rows // a.shard_rows
+            end = int(a.segments[-1]["end"]) if a.segments else 0
+            if not a.recorded or sealable - end < F.MANIFEST_SEGMENT_SHARDS:
+                continue
+            doc, new, segments, sealed = a.manifest_bytes(sealable)
+            if sealed:
+                segment_writes += list(new.items())
+                writes.append((f"{a.path}/manifest.json", doc))
+                done.append((a, segments, sealed))
+        if not done:
+            return
+        if not self._segmented:
+            self._segmented = True
+            root = F.dumps(F.group_document({F.ATTRS_KEY: self._root_attrs(status)}))
+            self._backend.set("zarr.json", root)
+            self._document_bytes += len(root)
+        self._set_many(segment_writes)
+        self._set_many(writes)
+        self._document_bytes += sum(len(data) for _key, data in segment_writes + writes)
+        for a, segments, sealed in done:
+            a.sealed(segments, sealed)
 
     def set_reduction_source(self, source: Any) -> None:
         """A writer that keeps reductions only: make every commit store the reductions of the

@@ -3,6 +3,7 @@
 python store/golden/make_golden.py      ->  store/golden/v1/{mlp_f32,tokens_bf16_zstd}.zarr + expected.pt
 python store/golden/make_golden.py v2   ->  store/golden/v2/ranks.zarr (committed from 2 rank stores) + expected.pt
 python store/golden/make_golden.py v3   ->  store/golden/v3/reductions.zarr (reductions only) + expected.pt
+python store/golden/make_golden.py v4   ->  store/golden/v4/segments.zarr (segmented manifests) + expected.pt
 Never regenerate an existing version's stores: the tests check that they still read.
 """
 
@@ -18,6 +19,48 @@ from activationscope.store import StoreWriter
 OUT = Path(__file__).parent / "v1"
 OUT_V2 = Path(__file__).parent / "v2"
 OUT_V3 = Path(__file__).parent / "v3"
+OUT_V4 = Path(__file__).parent / "v4"
+
+
+def main_v4() -> None:
+    """Version 4 (FORMAT.md section 5): manifests with segments. Sealed every 2 shards (the
+    library's 1024 would take a store of 1024 shards; a reader takes any segment size): a float32
+    array of 22 rows in 11 shards of 2 rows (chunks of 1 row), committed every 4 rows: segments of
+    shards 0..9, shard 10 in the manifest; and a zstd-compressed one of 22 rows in shards of 8 rows
+    (chunks of 4), committed once: a segment of shards 0..1, shard 2 in the manifest."""
+    import shutil
+
+    from activationscope.store import _format as F
+
+    if OUT_V4.exists() and "--force" not in sys.argv:
+        sys.exit(f"{OUT_V4} exists; golden stores are never regenerated")
+    OUT_V4.mkdir(parents=True, exist_ok=True)
+    path = OUT_V4 / "segments.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    F.MANIFEST_SEGMENT_SHARDS = 2
+    g = torch.Generator().manual_seed(4096)
+    x = torch.randn(22, 3, generator=g)
+    z = torch.randn(22, 2, generator=g)
+    w = StoreWriter(path, capture_config={"capture": "output"}, model=None, storage_dtype=None, chunk_rows=1,
+                    shard_rows=2, provenance={"golden": "v4"})
+    a = w.open_array("fc.output", (3,), torch.float32, "sample")
+    for s in range(0, 22, 4):
+        e = min(22, s + 4)
+        a.append(x[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {"label": [i % 3 for i in range(s, e)]})
+        w.commit()
+    w.close()
+    zpath = OUT_V4 / "segments_zstd.zarr"
+    shutil.rmtree(zpath, ignore_errors=True)
+    w = StoreWriter(zpath, capture_config={}, model=None, storage_dtype=None, compression="zstd", chunk_rows=4,
+                    shard_rows=8)
+    a = w.open_array("enc.output", (2,), torch.float32, "sample")
+    a.append(z)
+    w.add_batch(22, list(range(22)), None, {})
+    w.close()
+    for p in (path, zpath):
+        (p / ".activationscope-writer.lock").unlink(missing_ok=True)  # not part of the data (FORMAT.md section 1)
+    torch.save({"fc.output": x.clone(), "enc.output": z.clone()}, OUT_V4 / "expected.pt")
 
 
 def main_v3() -> None:
@@ -114,6 +157,8 @@ def main() -> None:
         return main_v2()
     if sys.argv[1:2] == ["v3"]:
         return main_v3()
+    if sys.argv[1:2] == ["v4"]:
+        return main_v4()
     if OUT.exists() and "--force" not in sys.argv:
         sys.exit(f"{OUT} exists; golden stores are never regenerated")
     OUT.mkdir(parents=True, exist_ok=True)

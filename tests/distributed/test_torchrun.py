@@ -1877,3 +1877,21 @@ def test_a_locked_store_of_one_process_with_process_group_false_is_no_rank_matte
     msg = str(e.value)
     assert "is being written by" in msg and "wait for it to finish" in msg, msg
     assert "rank" not in msg and "get_rank" not in msg, msg
+
+
+def test_two_ranks_seal_manifest_segments_and_read_as_without(captured, tmp_path):
+    # store/FORMAT.md section 5: each rank store seals its manifests, the commit seals the merged
+    # ones (every 2 shards here); the store reads as the one committed without segments
+    store_path, _one, _summary = captured
+    seg = tmp_path / "seg.zarr"
+    out = _torchrun(seg, "--segment-shards", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = acs.open_store(store_path), acs.open_store(seg)
+    assert b.attrs["format"]["version"] == 4 and b.status == "complete"
+    for hp in a.hook_points:
+        assert torch.equal(a[hp], b[hp]), hp
+        manifest = json.loads((seg / b.attrs["arrays"][hp]["manifest"]).read_text())
+        assert [(e["first"], e["end"]) for e in manifest["segments"]] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    for kind in ("sample", "token"):
+        assert a.row_table(kind).equals(b.row_table(kind))
+    assert b.verify() == []

@@ -86,7 +86,12 @@ def main() -> None:
     p.add_argument("--alive-s", type=float, default=0.0)
     p.add_argument("--fail-attach-rank", type=int, default=-1)
     p.add_argument("--stall-before-rank-root", action="store_true")
+    p.add_argument("--segment-shards", type=int, default=0, help="manifest segments of this many shards")
     args = p.parse_args()
+    if args.segment_shards:  # (store/FORMAT.md section 5: every rank store and the commit seal them so)
+        from activationscope.store import _format
+
+        _format.MANIFEST_SEGMENT_SHARDS = args.segment_shards
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:

@@ -7,6 +7,9 @@ MODE "killinstall" / "killinstallrunz": "run" / "runz" killed by SIGKILL right a
 renames its rewrite of the partial last shard over the key.
 MODE "diskfull": after LIMIT_AFTER batches, cap file sizes (RLIMIT_FSIZE) and go on; prints
 "ERR <class>: <message>" for the error that stops the capture.
+MODE "seg<mode>": <mode> with manifest segments of 2 shards (FORMAT.md section 5).
+MODE "killseal": "run" killed by SIGKILL right after a commit wrote manifest segments, before the
+manifests that list them.
 """
 
 from __future__ import annotations
@@ -60,6 +63,25 @@ def capture(path: str, n_batches: int, *, limit_after: int | None = None, sleep_
 
 if __name__ == "__main__":
     path, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode.startswith("seg"):
+        from activationscope.store import _format
+
+        _format.MANIFEST_SEGMENT_SHARDS = 2
+        mode = mode[len("seg"):]
+    if mode == "killseal":
+        import re
+
+        from activationscope.store.writer import StoreWriter
+
+        set_many = StoreWriter._set_many
+
+        def _set_then_die(self, writes):
+            set_many(self, writes)
+            if any(re.search(r"/manifest\.\d+\.json$", key) for key, _data in writes):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        StoreWriter._set_many = _set_then_die
+        mode = "run"
     if mode.startswith("killinstall"):
         # killed right after a resume's commit renamed its rewrite of the partial last shard over
         # the key, before the manifest that lists it (FORMAT.md section 7)

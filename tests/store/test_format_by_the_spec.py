@@ -62,7 +62,7 @@ def spec_root(path: Path) -> dict:
     """§2, §8: the root document's attributes, of a version this reader knows (§11: version 3
     keeps reductions only, `rows_stored` false, `reduced` in place of `arrays`)."""
     meta = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]
-    assert meta["format"]["name"] == "activationscope" and meta["format"]["version"] in (1, 2, 3)
+    assert meta["format"]["name"] == "activationscope" and meta["format"]["version"] in (1, 2, 3, 4)
     assert (meta["format"]["version"] == 3) == (meta.get("rows_stored") is False)
     if meta["format"]["version"] == 3:
         assert "arrays" not in meta and "aliases" not in meta and set(meta["row_tables"]) <= {"sample"}
@@ -81,6 +81,18 @@ def spec_rows(path: Path, entry: dict) -> np.ndarray:
         manifest = json.loads((path / entry["manifest"]).read_text())
         assert (manifest["chunk_rows"], manifest["shard_rows"]) == (chunk_rows, shard_rows)
         shards = {s["shard"]: s for s in manifest["shards"]}
+        end = 0
+        for e in manifest.get("segments", []):  # §5: the records of shards first..end-1, in order
+            assert e["first"] == end
+            raw = (path / entry["manifest"]).with_name(f"manifest.{e['first']}.json").read_bytes()
+            assert len(raw) == e["file_bytes"] and _crc(raw) == e["crc32c"]
+            segment = json.loads(raw)
+            assert (segment["hook_point"], segment["first"], segment["end"]) == (manifest["hook_point"], e["first"],
+                                                                                 e["end"])
+            assert [r["shard"] for r in segment["shards"]] == list(range(e["first"], e["end"]))
+            shards.update({r["shard"]: r for r in segment["shards"]})
+            end = e["end"]
+        assert all(k >= end for k in (r["shard"] for r in manifest["shards"]))
         for k in range((n_rows - 1) // shard_rows + 1):
             key = f"{entry['path']}/c/{k}" + "/0" * len(feature_shape)  # §1: the Zarr default chunk key
             record = shards[k]
@@ -280,6 +292,15 @@ def stores(tmp_path_factory):
         _samples(base / "resumed.zarr", compression=None, batches=2, opts=small)
         _samples(base / "resumed.zarr", compression=None, batches=2, opts={**small, "resume": True})
         _samples("memory://spec/copied.zarr", compression="zstd", batches=2)
+        from activationscope.store import _format as F
+
+        sealed, F.MANIFEST_SEGMENT_SHARDS = F.MANIFEST_SEGMENT_SHARDS, 2  # §5: segments of 2 shards
+        try:
+            _samples(base / "segmented.zarr", compression="zstd", batches=3, opts={"chunk_rows": 1, "shard_rows": 2})
+            _samples(base / "segmented.zarr", compression="zstd", batches=2,
+                     opts={"chunk_rows": 1, "shard_rows": 2, "resume": True})
+        finally:
+            F.MANIFEST_SEGMENT_SHARDS = sealed
         copy_store("memory://spec/copied.zarr", base / "copied.zarr")
     w = StoreWriter(base / "names.zarr", capture_config={}, model=None, storage_dtype=None, chunk_rows=2, shard_rows=4)
     names = [".", "..", "a/b%c.output", "__init__.output", "x" * 140 + ".output", "é.output", "zarr.json",
@@ -303,7 +324,7 @@ def stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["tokens_bf16_zstd.zarr", "tokens_blosc.zarr", "resumed.zarr", "copied.zarr",
-                                  "names.zarr", "empty_zstd.zarr"])
+                                  "names.zarr", "empty_zstd.zarr", "segmented.zarr"])
 def test_a_store_read_by_the_format_document_alone_is_what_the_library_reads(stores, name):
     spec = spec_read(stores / name)
     assert spec["rows"]
@@ -313,7 +334,8 @@ def test_a_store_read_by_the_format_document_alone_is_what_the_library_reads(sto
 GOLDEN = Path(__file__).resolve().parents[2] / "store" / "golden"
 
 
-@pytest.mark.parametrize("name", ["v1/mlp_f32.zarr", "v1/tokens_bf16_zstd.zarr", "v2/ranks.zarr"])
+@pytest.mark.parametrize("name", ["v1/mlp_f32.zarr", "v1/tokens_bf16_zstd.zarr", "v2/ranks.zarr", "v4/segments.zarr",
+                                  "v4/segments_zstd.zarr"])
 def test_golden_stores_read_by_the_format_document_alone(name):
     spec = spec_read(GOLDEN / name)
     assert spec["rows"]

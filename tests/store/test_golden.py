@@ -171,3 +171,26 @@ def test_v3_keeps_reductions_only():
         jsonschema.validate(store.attrs, v1)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**store.attrs, "arrays": {}}, schema)
+
+
+@pytest.mark.parametrize("name,hp,n_segments", [("segments.zarr", "fc.output", 5), ("segments_zstd.zarr", "enc.output", 1)])
+def test_v4_segmented_manifests(name, hp, n_segments):
+    # FORMAT.md section 5: the records of full committed shards sealed into segments (of 2 shards here)
+    path = GOLDEN / "v4" / name
+    store = open_store(path)
+    exp = torch.load(GOLDEN / "v4" / "expected.pt")[hp]
+    assert store.status == "complete" and store.attrs["format"]["version"] == 4
+    manifest = json.loads((path / "acts" / hp / "manifest.json").read_text())
+    assert len(manifest["segments"]) == n_segments and len(manifest["shards"]) == 1
+    assert torch.equal(store[hp], exp)
+    assert torch.equal(store[hp, 5:6], exp[5:6])
+    raw = zarr.open_group(str(path), mode="r")[f"acts/{hp}"][:len(exp)]  # plain Zarr readers read it as ever
+    assert np.array_equal(raw, exp.numpy())
+    assert store.verify() == []
+    jsonschema = pytest.importorskip("jsonschema")
+    v4 = json.loads((SCHEMA.parent / "metadata.v4.json").read_text())
+    v2 = json.loads((SCHEMA.parent / "metadata.v2.json").read_text())
+    assert v4["$defs"] == v2["$defs"]  # one format, kept in step
+    jsonschema.validate(store.attrs, v4)
+    with pytest.raises(jsonschema.ValidationError):  # a version 1 reader's schema refuses it
+        jsonschema.validate(store.attrs, json.loads(SCHEMA.read_text()))

@@ -623,9 +623,9 @@ def test_bad_format_versions(plain, version):
 
 def test_newer_format_version(plain):
     path, _ = plain
-    # (2: stores committed from rank stores, 3: stores that keep reductions only)
-    edit_root(path, lambda a: a["format"].update(version=4))
-    with pytest.raises(StoreError, match="format version 4.*upgrade activationscope") as e:
+    # (2: stores committed from rank stores, 3: stores that keep reductions only, 4: segmented manifests)
+    edit_root(path, lambda a: a["format"].update(version=5))
+    with pytest.raises(StoreError, match="format version 5.*upgrade activationscope") as e:
         open_store(path)
     assert not isinstance(e.value, StoreCorruptError)
 

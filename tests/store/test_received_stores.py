@@ -36,14 +36,14 @@ def test_copy_store_refuses_a_store_of_a_newer_format_version(tmp_path, overwrit
     # left out, kept files taken instead of damaged ones): a newer version's copy could miss files
     src = tmp_path / "newer.zarr"
     make_store(src)
-    edit_root(src, lambda a: a["format"].update(version=4))
+    edit_root(src, lambda a: a["format"].update(version=5))
     (src / "acts" / HP / "c" / "0" / "0.x.tmp").write_bytes(b"a newer writer's file")
     dst = tmp_path / "copy.zarr"
     old = None
     if overwrite:
         old = make_store(dst)
     before = sorted(p.relative_to(dst) for p in dst.rglob("*")) if overwrite else None
-    with pytest.raises(StoreError, match=r"format version 4; this activationscope reads versions up to 3: upgrade "
+    with pytest.raises(StoreError, match=r"format version 5; this activationscope reads versions up to 4: upgrade "
                                          r"activationscope.*cp -a.*nothing was copied") as e:
         copy_store(src, dst, overwrite=overwrite)
     assert not isinstance(e.value, StoreCorruptError)
@@ -260,9 +260,9 @@ def test_rank_stores_under_a_root_of_a_newer_format_version_are_not_committed(tm
             for b in range(2 * task, 2 * task + 2):
                 tracker.set_batch(sample_ids=torch.arange(3 * b, 3 * b + 3))
                 model(xs[b])
-    edit_root(path, lambda a: a["format"].update(version=4))
+    edit_root(path, lambda a: a["format"].update(version=5))
     before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
-    with pytest.raises(StoreError, match=r"format version 4; this activationscope reads versions up to 3: upgrade "
+    with pytest.raises(StoreError, match=r"format version 5; this activationscope reads versions up to 4: upgrade "
                                          r"activationscope to commit its rank stores; nothing was changed") as e:
         commit_ranks(path)
     assert not isinstance(e.value, StoreCorruptError)
