@@ -171,6 +171,17 @@ class ScriptReduction : public Reduction {
     acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
+  // (a handle: acc_ shared is copied before an in-place update, acc_needs_copy)
+  void checkpoint() override {
+    saved_acc_ = acc_;
+    saved_from_state_ = acc_from_state_;
+    saved_rows_device_ = rows_device_;
+  }
+  void restore_checkpoint() override {
+    acc_ = saved_acc_;
+    acc_from_state_ = saved_from_state_;
+    rows_device_ = saved_rows_device_;
+  }
   std::shared_ptr<Reduction> fresh() const override {
     return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
   }
@@ -216,6 +227,10 @@ class ScriptReduction : public Reduction {
   bool acc_from_state_ = false;  // acc_ is an init= or a loaded state, not yet updated
   at::Tensor acc_;
   std::optional<c10::Device> rows_device_;  // the device of the rows acc_ was last made from
+  // (checkpoint) what it remembers
+  at::Tensor saved_acc_;
+  bool saved_from_state_ = false;
+  std::optional<c10::Device> saved_rows_device_;
 };
 
 }  // namespace
