@@ -131,6 +131,31 @@ def test_a_forward_raising_out_of_the_block_keeps_the_forwards_before_it_in_a_st
         _check(store.reductions, "b.output", model.b(model.a(torch.cat(xs))))
 
 
+@pytest.mark.parametrize("kind", ["rows", "reductions only"])
+def test_info_gives_the_bytes_of_the_reductions(tmp_path, kind, capsys):
+    """info() and `activationscope info` gave the bytes of the activations only: a store of
+    reductions only showed no size at all."""
+    from activationscope import cli
+
+    model = _RaisesAfterTwo().eval()
+    policy = {"reduction_policy": STREAMING} if kind == "reductions only" else {}
+    with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean", "var"],
+                                              **policy).track(model):
+        model(torch.randn(5, 3))
+    info = open_store(tmp_path / "s.zarr").info()
+
+    def reduced(d: int) -> int:  # float64 / int64 values of one hook point of d features
+        mean = d + 1 + (1 + d)  # mean, mean.count; its state: count, mean
+        var = d + d + 1 + (1 + d + d)  # var, var.mean, var.count; its state: count, mean, m2
+        return 8 * (mean + var)
+
+    assert info["hook_point_reduction_bytes"] == {"a.output": reduced(4), "b.output": reduced(4),
+                                                  "c.output": reduced(2)}
+    assert info["reduction_bytes"] == 2 * reduced(4) + reduced(2) == 576
+    assert cli.main(["info", str(tmp_path / "s.zarr")]) in (0, None)
+    assert "576 B of reductions (results and states)" in capsys.readouterr().out
+
+
 def test_two_ranks_one_of_whose_last_forward_raised_commit_reductions_of_the_whole_forwards(tmp_path):
     """Two rank tasks (RankStore, no process group); rank 1's last forward raised after a.output
     and b.output reduced it, the error caught: its rank store ends at the forward before, and
