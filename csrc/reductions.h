@@ -48,6 +48,13 @@ class Reduction {
   // A new, empty reduction with the same kind and options.
   virtual std::shared_ptr<Reduction> fresh() const = 0;
 
+  // Remember the state as it is now (replacing the one remembered before), and put it back:
+  // a capture takes out of its reductions a forward its store leaves out. Called with no
+  // update running. The default keeps state() (handles: an implementation that updates a
+  // state tensor in place copies a shared one first) and puts it back with load_state().
+  virtual void checkpoint() { checkpoint_ = state(); }
+  virtual void restore_checkpoint() { load_state(checkpoint_); }
+
   // The kind ("mean", "var", ..., "script") and the options it was made with.
   virtual std::string kind() const = 0;
   virtual ReductionOptions options() const = 0;
@@ -57,6 +64,9 @@ class Reduction {
   // carried along as the built-ins carry it, like torch, and does not count). False for the
   // built-ins. Reads a flag kept on the accumulator's device off the CPU (synchronises there).
   virtual bool made_nonfinite() const { return false; }
+
+ private:
+  NamedTensors checkpoint_;  // (the default checkpoint)
 };
 
 // Built-in reductions by kind; TORCH_CHECK fails with the list of kinds on an unknown one.

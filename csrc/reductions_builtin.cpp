@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -266,6 +267,45 @@ class Builtin : public Reduction {
     return out;
   }
 
+  // The fast-path kinds update their slots in place: the slots are copied into buffers kept
+  // from one checkpoint to the next (no allocation per forward, and no copy on write at the
+  // next update). The others replace their slots at each update: handles are enough.
+  void checkpoint() override {
+    saved_count_ = count_;
+    saved_feat_ = feat_;
+    saved_has_feat_ = has_feat_;
+    saved_device_ = device_;
+    saved_device_set_ = device_set_;
+    saved_device_from_rows_ = device_from_rows_;
+    saved_acc_.resize(acc_.size());
+    for (size_t i = 0; i < acc_.size(); ++i) {
+      const at::Tensor& t = acc_[i].t;
+      Slot& b = saved_acc_[i];
+      b.name = acc_[i].name;
+      b.layout = acc_[i].layout;
+      const bool copy = has_fast_path() && t.defined() && t.device().is_cpu() && t.is_contiguous() &&
+                        t.layout() == at::kStrided && !t.is_neg() && !t.is_conj();
+      if (!copy) {
+        b.t = t;
+        continue;
+      }
+      const bool reuse = b.t.defined() && b.t.use_count() == 1 && b.t.storage().use_count() == 1 &&
+                         b.t.device().is_cpu() && b.t.scalar_type() == t.scalar_type() &&
+                         b.t.sizes() == t.sizes() && b.t.is_contiguous();
+      if (!reuse) b.t = at::empty(t.sizes(), t.options());
+      if (t.nbytes()) std::memcpy(b.t.data_ptr(), t.const_data_ptr(), t.nbytes());
+    }
+  }
+  void restore_checkpoint() override {
+    count_ = saved_count_;
+    feat_ = saved_feat_;
+    has_feat_ = saved_has_feat_;
+    device_ = saved_device_;
+    device_set_ = saved_device_set_;
+    device_from_rows_ = saved_device_from_rows_;
+    acc_ = saved_acc_;  // (shared with the buffers now: the next update or checkpoint copies)
+  }
+
   NamedTensors state() const override {
     NamedTensors out{{"count", count_tensor(count_)}};
     if (count_ > 0)
@@ -436,6 +476,14 @@ class Builtin : public Reduction {
   bool per_feature_ = true;
   int64_t count_ = 0;  // observations per column (rows, or values in whole-tensor mode)
   Slots acc_;
+  // (checkpoint) the state it remembers
+  int64_t saved_count_ = 0;
+  Slots saved_acc_;
+  std::vector<int64_t> saved_feat_;
+  bool saved_has_feat_ = false;
+  at::Device saved_device_{at::kCPU};
+  bool saved_device_set_ = false;
+  bool saved_device_from_rows_ = false;
   std::vector<int64_t> feat_;
   bool has_feat_ = false;
   at::Device device_{at::kCPU};

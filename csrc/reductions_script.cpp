@@ -176,6 +176,23 @@ class ScriptReduction : public Reduction {
     acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
+  // (a handle: acc_ shared is copied before an in-place update, acc_needs_copy)
+  void checkpoint() override {
+    saved_acc_ = acc_;
+    saved_from_state_ = acc_from_state_;
+    saved_rows_device_ = rows_device_;
+    saved_made_ = made_;
+    saved_made_dev_ = made_dev_;
+    saved_acc_finite_ = acc_finite_;
+  }
+  void restore_checkpoint() override {
+    acc_ = saved_acc_;
+    acc_from_state_ = saved_from_state_;
+    rows_device_ = saved_rows_device_;
+    made_ = saved_made_;  // (NaN or inf the taken-out forward made is not in the state either)
+    made_dev_ = saved_made_dev_;
+    acc_finite_ = saved_acc_finite_;
+  }
   std::shared_ptr<Reduction> fresh() const override {
     return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
   }
@@ -263,6 +280,13 @@ class ScriptReduction : public Reduction {
   bool made_ = false;      // a batch made NaN or inf of finite rows (note_nonfinite)
   at::Tensor made_dev_;    // the same, kept on the accumulator's device off the CPU
   at::Tensor acc_finite_;  // () bool: acc_ was finite when made (undefined: no accumulator)
+  // (checkpoint) what it remembers
+  at::Tensor saved_acc_;
+  bool saved_from_state_ = false;
+  std::optional<c10::Device> saved_rows_device_;
+  bool saved_made_ = false;
+  at::Tensor saved_made_dev_;
+  at::Tensor saved_acc_finite_;
 };
 
 }  // namespace

@@ -900,7 +900,29 @@ class NoAutocast {
 
 }  // namespace
 
+void Sink::set_keep_forward_start(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  keep_forward_start_ = on;
+  start_forward_ = -1;
+}
+
+bool Sink::rollback_forward(int64_t forward) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!keep_forward_start_ || start_forward_ != forward) return false;
+  for (const auto& r : reductions_) r->restore_checkpoint();
+  n_rows_ = start_rows_;
+  start_forward_ = -1;
+  return true;
+}
+
 void Sink::reduce(const at::Tensor& rows) {
+  if (keep_forward_start_ && claimed_forward_ != start_forward_) {
+    // this sink's first call in a root forward: the states before it (set_keep_forward_start),
+    // replacing those of the forward before
+    for (const auto& r : reductions_) r->checkpoint();
+    start_rows_ = n_rows_;
+    start_forward_ = claimed_forward_;
+  }
   try {
     NoAutocast no_autocast;
     update_reductions(reductions_, rows, row_base_ + n_rows_);

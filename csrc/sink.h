@@ -138,6 +138,16 @@ class Sink {
   // lock: never half of a batch's update, and later batches leave them alone.
   NamedTensors reduction_result(int64_t index);
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
+  // A store capture: keep the state of this hook point's reductions as it was before its first
+  // call in each root forward (claimed_forward; Reduction::checkpoint), and its row count then,
+  // so that a forward the store leaves out (one that raised, the last of the capture) can be
+  // taken out of the reductions too (rollback_forward). Costs a copy of the in-place updated
+  // states (mean, var, min, ...: a few feature vectors) per hook point and forward.
+  void set_keep_forward_start(bool on);
+  // Put the reductions and n_rows back as they were before this sink's first call in root
+  // forward `forward`; true when it was called in that forward (and so was put back), false
+  // when it was not (nothing to take out) or keeps no forward start.
+  bool rollback_forward(int64_t forward);
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }
   // A store that keeps reductions only records this hook point's dtype and feature shape from
@@ -239,6 +249,11 @@ class Sink {
   std::vector<int64_t> versions_;  // REFERENCE: version counter at capture
   std::vector<std::shared_ptr<c10::Event>> pending_;  // device copies in flight
   std::vector<std::shared_ptr<Reduction>> reductions_;
+  // (set_keep_forward_start) root forward whose start the reductions remember (checkpoint),
+  // and n_rows_ then
+  bool keep_forward_start_ = false;
+  int64_t start_forward_ = -1;
+  int64_t start_rows_ = 0;
   std::shared_ptr<RowConsumer> writer_;
   bool one_layout_ = false;  // (set_one_layout)
   int row_kind_ = -1;

@@ -1751,10 +1751,13 @@ class Tracker:
             if exc is None:  # the refusal was caught inside the block: say it again
                 raise self._refusal()
             return
+        cut = self._open_forward
         if exc is None and self._open_forward is not None:  # the last forward raised, caught
             self._forward_raised(at_exit=True, warn=not left_running)
         silent = self._silent_modules() if exc is None else []
         if self.writer is not None:
+            if cut is not None:  # (the store ends at the forward before it: so do the reductions)
+                self._rollback_open_forward(cut)
             self._drop_unrecorded()
             if exc is None:
                 if self._stored and self._n_captured == 0:  # no forward: patterns meet the stored hook points
@@ -1868,6 +1871,16 @@ class Tracker:
             "rows, and resume=True would continue that store, not this capture; once the cause is fixed, run the "
             "capture again with overwrite=True")
         exc.add_note(self._store_put_back)
+
+    def _rollback_open_forward(self, k: int) -> None:
+        """Closing a store capture whose last forward ``k`` (0-based) did not end (it raised,
+        the exception caught inside the block or leaving it): the store ends at the whole forward
+        before it, so every hook point's reductions are put back as they were before that forward
+        (and the rows they count), to cover exactly the rows the store commits."""
+        with self._new_hook_point_lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            sink.rollback_forward(k + 1)  # (the native side counts root forwards from 1)
 
     def _drop_unrecorded(self) -> None:
         """Closing a store capture: hook points first seen in a forward that was never recorded
@@ -2279,6 +2292,10 @@ class Tracker:
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
             self._reduction_names[name] = names
             self._reduction_objects[name] = objects
+            if objects and self.writer is not None:
+                # a store ends at the last whole forward: a forward cut short at the end is taken
+                # out of the reductions too (_rollback_open_forward)
+                sink.set_keep_forward_start(True)
             if any(str(r.kind) in ("script", "eager") for r in objects):
                 self._half_pending.add(name)
         if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
@@ -4001,9 +4018,11 @@ class Tracker:
             counted = (" Its samples were not counted: the default sample ids of the next forward start where this "
                        "one's did (right when it feeds the same batch again; when it feeds the next batch, pass "
                        "set_batch(sample_ids=...) so that ids stay the samples' places in the data).")
-        if at_exit:  # the last forward: the store ends at the whole forward before it
-            effect = ("Their in-memory records and streaming reductions include that partial forward; "
-                      "the store does not (it ends at the last whole forward).")
+        if at_exit and self.writer is not None:  # the last forward: the store ends at the whole forward before it
+            effect = ("The store and the reductions leave that partial forward out (both end at the last whole "
+                      "forward)" + ("; in-memory records of it are kept." if self._in_memory else "."))
+        elif at_exit:
+            effect = "Their in-memory records and streaming reductions include that partial forward."
         elif self.writer is not None and not partial:  # (refused by a hook point before any stored a row)
             if warn:
                 warn_at_caller(

@@ -1087,15 +1087,19 @@ def format_info(info: dict[str, Any], name: str) -> str:
                      "array (capture with a smaller --shard-bytes to commit more often)")
     ratio = info.get("data_to_disk_ratio")
     lines.append("")
+    red_bytes = info.get("reduction_bytes")
+    reduced_bytes = f", {format_bytes(red_bytes)} of reductions (results and states)" if red_bytes else ""
     if reductions_only:
         n = len(info.get("reduced") or {})
-        lines.append(f"total:    {n} hook point{'' if n == 1 else 's'} reduced, reductions only (no activation row)")
+        lines.append(f"total:    {n} hook point{'' if n == 1 else 's'} reduced, reductions only (no activation "
+                     f"row){reduced_bytes}")
     else:
         lines.append(
             f"total:    {_hook_point_count(len(arrays), len(aliases))}, {format_bytes(info.get('bytes'))} of "
             f"activations, {format_bytes(info.get('bytes_on_disk'))} on disk"
             + (f" (data/disk {ratio:.2f}: activation bytes per byte of shard files, which also hold each array's "
                "full-size last chunk and the shard indexes; not a compression ratio)" if ratio else "")
+            + reduced_bytes
         )
     tables = info.get("row_tables") or {}
     if tables:

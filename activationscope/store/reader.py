@@ -3609,6 +3609,10 @@ class Store:
         ``rows_stored`` is False for a store that keeps reductions only (FORMAT.md section 11):
         it then has no ``arrays``, and ``reduced`` gives each reduced hook point's
         ``row_kind``, ``feature_shape``, ``dtype`` and ``n_rows`` (rows reduced).
+        ``reduction_bytes`` is the size in bytes of every reduction the store holds (complete,
+        partial and refused ones: their results and their states, as stored values, e.g. 8 bytes
+        per float64; a custom reduction's ``.pt`` program not counted), and
+        ``hook_point_reduction_bytes`` the same per hook point; ``bytes`` counts activations only.
 
         Every array's entry in the root document is checked against the array's own files
         before it is shown, as before its first read (FORMAT.md section 9 rules 16-17): a root
@@ -3689,6 +3693,14 @@ class Store:
             pending = {"capture": "unreadable", "error": " ".join(str(e).split()), "run_id": None, "world_size": None,
                        "ranks": [], "missing": [], "n_missing": 0, "beyond": [], "incomplete": [], "other_runs": [],
                        "ready": False}
+        # the reductions' values and states, as their (checked) entries give them, each file once
+        reduction_bytes: dict[str, int] = {}
+        for hp, entries in (self._attrs.get("reductions") or {}).items():
+            sized: dict[str, int] = {}
+            for entry in entries.values():
+                for part in [entry, *(entry.get("state") or {}).values()]:
+                    sized[part["path"]] = math.prod(part["shape"]) * F.itemsize(part["dtype"])
+            reduction_bytes[hp] = sum(sized.values())
         return {
             "path": str(self._backend),
             "format": self._attrs.get("format"),
@@ -3708,6 +3720,8 @@ class Store:
             "partial_reductions": {hp: {n: {"n_rows": c[0], "of_rows": c[1]} for n, c in v.items()}
                                    for hp, v in self.partial_reductions.items()},
             "refused_reductions": self.refused_reductions,
+            "reduction_bytes": sum(reduction_bytes.values()),
+            "hook_point_reduction_bytes": reduction_bytes,
             "row_tables": {k: v.get("n_rows", 0) for k, v in (self._attrs.get("row_tables") or {}).items()},
             # (the columns each row table has: a text capture's token_ids, labels, ...)
             "row_table_columns": {k: list(v.get("columns") or [])

@@ -1,0 +1,238 @@
+"""Reductions of a store capture whose last forward raised partway (the hook points before the
+error reduced its rows, those after it did not): the store ends at the whole forward before it,
+and its reductions cover exactly the rows it commits, for every built-in kind and a TorchScript
+custom reduction, in a store of rows and in one of reductions only."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import open_store
+
+STREAMING = acs.ReductionPolicy.STREAMING
+
+
+def _sum_of_squares(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    s = x.double().pow(2).sum(0)
+    return s if acc is None else acc + s
+
+
+REDUCTIONS = ["mean", "var", "min", "max", "absmax", "l2", "nonzero", "cov", ("top", "topk", {"k": 3}),
+              ("h", "hist", {"bins": 8, "lo": -2.0, "hi": 2.0}), ("ss", _sum_of_squares)]
+
+
+class _RaisesAfterTwo(torch.nn.Module):
+    """``a.output`` and ``b.output`` run before the point where a forward may raise, ``c.output`` after it."""
+
+    def __init__(self, error: type[BaseException] | None = None) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)
+        self.error = error
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        if self.error is not None:
+            raise self.error("cut short")
+        return self.c(h)
+
+
+def _reference(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every value of REDUCTIONS over ``rows`` (rows, d), in float64, with plain torch."""
+    x = rows.double()
+    values, ids = x.sort(dim=0, descending=True, stable=True)  # (of equal values the lower row first)
+    inside = (x >= -2.0) & (x <= 2.0)
+    bins = ((x + 2.0) / 0.5).floor().clamp(0, 7).long()
+    counts = torch.stack([torch.bincount(bins[inside[:, j], j], minlength=8) for j in range(x.shape[1])])
+    return {
+        "mean": x.mean(0), "var": x.var(0, correction=0), "min": x.amin(0), "max": x.amax(0),
+        "absmax": x.abs().amax(0), "l2": x.pow(2).sum(0).sqrt(), "nonzero": (x != 0).double().mean(0),
+        "cov": torch.cov(x.T, correction=0), "top.values": values[:3], "top.row_ids": ids[:3], "h.counts": counts,
+        "ss": x.pow(2).sum(0), "mean.count": torch.tensor(x.shape[0]),
+    }
+
+
+def _check(reductions, hook_point: str, rows: torch.Tensor) -> None:
+    got = reductions[hook_point]
+    for key, want in _reference(rows).items():
+        torch.testing.assert_close(got[key], want, rtol=1e-10, atol=1e-12, check_dtype=False,
+                                   msg=lambda m, key=key: f"{hook_point} {key}: {m}")
+
+
+def _scope(path, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript deprecation)
+        return acs.ActivationScope(store=str(path), reductions=REDUCTIONS, **options)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("kind", ["rows", "reductions only"])
+def test_a_caught_last_forward_that_raised_is_in_no_reduction(tmp_path, kind, error):
+    """The last forward raised after a.output and b.output reduced its rows, and the caller caught
+    the error: the store ends at the forward before it, but a.output's and b.output's reductions
+    kept its rows (counts past the store's rows, a mean over a batch the store does not hold),
+    reported partial (and in a store of reductions only lost for good: a resume refuses them)."""
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [torch.randn(n, 3) for n in (4, 5, 6)]
+    policy = {"reduction_policy": STREAMING} if kind == "reductions only" else {}
+    with pytest.warns(acs.CaptureWarning, match="raised"), torch.no_grad():
+        with _scope(tmp_path / "s.zarr", **policy).track(model):
+            model(xs[0])
+            model(xs[1])
+            model.error = error
+            with pytest.raises(error, match="cut short"):
+                model(xs[2])
+            model.error = None
+    store = open_store(tmp_path / "s.zarr")
+    assert store.n_samples == 9 and store.partial_reductions == {}
+    with torch.no_grad():
+        h = model.b(model.a(torch.cat(xs[:2])))
+        rows = {"a.output": model.a(torch.cat(xs[:2])), "b.output": h, "c.output": model.c(h)}
+    for hook_point, want in rows.items():
+        if kind == "rows":
+            assert torch.equal(store[hook_point], want)
+        else:
+            assert store.reduced[hook_point]["n_rows"] == 9
+        _check(store.reductions, hook_point, want)
+
+
+def test_a_forward_raising_out_of_the_block_keeps_the_forwards_before_it_in_a_store_of_reductions_only(tmp_path):
+    """An error leaving the block mid-forward: the close commits every whole forward before it,
+    with reductions over exactly those; the store of reductions only ended at its last commit
+    instead (here none, so the store was removed), losing every forward since. A resume then
+    ends with the reductions of an uninterrupted run."""
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [torch.randn(n, 3) for n in (4, 5, 6, 2)]
+    path = tmp_path / "s.zarr"
+    options = {"reduction_policy": STREAMING, "store_options": {"commit_interval": 3600}}
+    with pytest.raises(KeyboardInterrupt), torch.no_grad(), _scope(path, **options).track(model):
+        model(xs[0])
+        model(xs[1])
+        model.error = KeyboardInterrupt
+        model(xs[2])
+    model.error = None
+    store = open_store(path)
+    assert store.status == "incomplete" and store.n_samples == 9 and store.partial_reductions == {}
+    with torch.no_grad():
+        _check(store.reductions, "a.output", model.a(torch.cat(xs[:2])))
+        _check(store.reductions, "c.output", model(torch.cat(xs[:2])))
+    with torch.no_grad(), _scope(path, reduction_policy=STREAMING, store_options={"resume": True}).track(model) as t:
+        assert t.resume_from == 9
+        for x in xs[2:]:
+            model(x)
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 17
+    with torch.no_grad():
+        _check(store.reductions, "b.output", model.b(model.a(torch.cat(xs))))
+
+
+@pytest.mark.parametrize("kind", ["rows", "reductions only"])
+def test_info_gives_the_bytes_of_the_reductions(tmp_path, kind, capsys):
+    """info() and `activationscope info` gave the bytes of the activations only: a store of
+    reductions only showed no size at all."""
+    from activationscope import cli
+
+    model = _RaisesAfterTwo().eval()
+    policy = {"reduction_policy": STREAMING} if kind == "reductions only" else {}
+    with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=["mean", "var"],
+                                              **policy).track(model):
+        model(torch.randn(5, 3))
+    info = open_store(tmp_path / "s.zarr").info()
+
+    def reduced(d: int) -> int:  # float64 / int64 values of one hook point of d features
+        mean = d + 1 + (1 + d)  # mean, mean.count; its state: count, mean
+        var = d + d + 1 + (1 + d + d)  # var, var.mean, var.count; its state: count, mean, m2
+        return 8 * (mean + var)
+
+    assert info["hook_point_reduction_bytes"] == {"a.output": reduced(4), "b.output": reduced(4),
+                                                  "c.output": reduced(2)}
+    assert info["reduction_bytes"] == 2 * reduced(4) + reduced(2) == 576
+    assert cli.main(["info", str(tmp_path / "s.zarr")]) in (0, None)
+    assert "576 B of reductions (results and states)" in capsys.readouterr().out
+
+
+def test_two_ranks_one_of_whose_last_forward_raised_commit_reductions_of_the_whole_forwards(tmp_path):
+    """Two rank tasks (RankStore, no process group); rank 1's last forward raised after a.output
+    and b.output reduced it, the error caught: its rank store ends at the forward before, and
+    the committed store's reductions, merged over both ranks, cover exactly the committed rows."""
+    from activationscope.store.ranks import commit_ranks
+
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [[torch.randn(n, 3) for n in (4, 5)], [torch.randn(n, 3) for n in (3, 6)]]
+    path = str(tmp_path / "s.zarr")
+    for rank in range(2):
+        scope = acs.ActivationScope(store=path, reductions=["mean", "var", "max", ("top", "topk", {"k": 3})],
+                                    store_options={"process_group": acs.RankStore(rank, 2)})
+        with warnings.catch_warnings(), torch.no_grad(), scope.track(model):
+            warnings.simplefilter("ignore", acs.CaptureWarning)
+            model(xs[rank][0])
+            model.error = RuntimeError if rank == 1 else None
+            try:
+                model(xs[rank][1])
+            except RuntimeError:
+                pass
+            model.error = None
+    commit_ranks(path)
+    store = open_store(path)
+    assert store.n_samples == 9 + 3 and store.partial_reductions == {}
+    with torch.no_grad():
+        rows = model.a(torch.cat([*xs[0], xs[1][0]])).double()
+    assert torch.equal(store["a.output"].double(), rows)
+    got = store.reductions["a.output"]
+    torch.testing.assert_close(got["mean"], rows.mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["var"], rows.var(0, correction=0), rtol=1e-10, atol=1e-14)
+    assert torch.equal(got["max"], rows.amax(0)) and int(got["mean.count"]) == 12
+    values, ids = rows.sort(dim=0, descending=True, stable=True)
+    assert torch.equal(got["top.values"], values[:3]) and torch.equal(got["top.row_ids"], ids[:3])
+
+
+def _log_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().log().sum(0)
+    return s if acc is None else acc + s
+
+
+def _log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().log().sum(0)
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+@pytest.mark.parametrize("fn", [_log_sum, _log_sum_in_place], ids=["script", "in_place"])
+def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warning(tmp_path, fn):
+    """The caught last forward that raised fed a 0 to a custom reduction's log (inf) before the
+    error: that forward is taken out of the reductions, and so is what it made: the result is
+    finite and the close says nothing of NaN or inf (it did, naming a value the store does not hold)."""
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [torch.rand(n, 3) + 0.5 for n in (4, 5, 6)]
+    with torch.no_grad():
+        model.a.weight.copy_(torch.eye(4, 3))
+        model.a.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 1.0]))  # a.output = (x, 1): finite logs
+        model.c.weight.abs_()
+        model.c.bias.abs_()  # c.output of b.output >= 0: positive
+    xs[2][1, 0] = 0.0  # b.output of that row is 0 in its first column: log 0 = -inf
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=[fn]).track(model):
+            model(xs[0])
+            model(xs[1])
+            model.error = RuntimeError
+            with pytest.raises(RuntimeError, match="cut short"):
+                model(xs[2])
+            model.error = None
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert not [m for m in messages if m.startswith("custom reduction(s) whose result holds NaN or inf")], messages
+    got = open_store(tmp_path / "s.zarr").reductions["b.output"][fn.__name__]
+    with torch.no_grad():
+        want = model.b(model.a(torch.cat(xs[:2]))).double()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.log().sum(0))
