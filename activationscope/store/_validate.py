@@ -923,7 +923,7 @@ class Manifest(Mapping):
         c = _Checker(self._store, skey)
         c.dict(doc, "(document)")
         for name, want in (("hook_point", self._hook_point), ("first", first), ("end", end)):
-            if doc.get(name, ...) != want or isinstance(doc.get(name), bool):
+            if doc.get(name, ...) != want or type(doc.get(name)) is not type(want):  # (4.0 == 4, True == 1)
                 raise c.fail(name, f"{want!r} (what {listed} says)", doc.get(name, "no such field"))
         shards = doc.get("shards")
         if not isinstance(shards, list) or len(shards) != end - first:

@@ -205,6 +205,10 @@ def _other_first(path):
     _edit_segment(path, 0, lambda d: d.update(first=1))
 
 
+def _float_end(path):
+    _edit_segment(path, 2, lambda d: d.update(end=4.0))
+
+
 def _other_hook_point(path):
     _edit_segment(path, 2, lambda d: d.update(hook_point="1.output"))
 
@@ -234,6 +238,7 @@ DAMAGE = {
     "record outside its segment": (_record_outside, r"manifest\.0\.json field shards\[1\]\.shard must be in 0\.\.1"),
     "index record inside a segment": (_tail_inside, r"manifest\.json field shards\[0\]\.shard must be at least 4"),
     "another first": (_other_first, r"manifest\.0\.json field first must be 0"),
+    "end a float": (_float_end, r"manifest\.2\.json field end must be 4 .*got 4\.0"),
     "another hook point": (_other_hook_point, r"manifest\.2\.json field hook_point must be '0\.output'"),
     "a record short": (_short, r"manifest\.0\.json field shards must be a list of 2 records"),
     "missing": (_missing, r"manifest segment acts/0\.output/manifest\.0\.json is missing, but the manifest"),
