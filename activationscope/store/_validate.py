@@ -768,8 +768,8 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
     Returns
     -------
     list of str
-        One line per lie, naming the manifest, the shard, the field, what it says and what it
-        must be.
+        One line per lie, naming the manifest (the segment, for a record of one), the shard, the
+        field, what it says and what it must be.
     """
     out: list[str] = []
     if isinstance(doc, dict) and "hook_point" in doc and doc["hook_point"] != hook_point:
@@ -780,7 +780,8 @@ def manifest_problems(doc: Any, shards: dict[int, dict], meta: dict, *, hook_poi
     last_committed = (n - 1) // shard_rows if n else -1
     for k in sorted(shards):
         rec = shards[k]
-        where = f"manifest {key} shard {k}"
+        # (a record of a segment: named by the segment's key, the file that holds it)
+        where = f"manifest {shards.key_of(k) if isinstance(shards, Manifest) else key} shard {k}"
         want_key = F.shard_key(meta["path"], k, len(meta["feature_shape"]))
         if rec.get("key", want_key) != want_key:
             r = repr(rec.get("key"))
@@ -922,7 +923,7 @@ class Manifest(Mapping):
         c = _Checker(self._store, skey)
         c.dict(doc, "(document)")
         for name, want in (("hook_point", self._hook_point), ("first", first), ("end", end)):
-            if doc.get(name, ...) != want or isinstance(doc.get(name), bool):
+            if doc.get(name, ...) != want or type(doc.get(name)) is not type(want):  # (4.0 == 4, True == 1)
                 raise c.fail(name, f"{want!r} (what {listed} says)", doc.get(name, "no such field"))
         shards = doc.get("shards")
         if not isinstance(shards, list) or len(shards) != end - first:

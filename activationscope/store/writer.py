@@ -3654,13 +3654,17 @@ class StoreWriter:
     def _next_part_index(self, kind: str) -> int:
         """The commit index the next part of ``kind`` is named by: past every part the table
         lists (merged ones too), so that a name once listed never holds other rows, whatever a
-        reader opened before reads."""
+        reader opened before reads; and never a listed name :data:`_PART_NAME` does not match
+        (``part-1000000000000.parquet``, past 12 digits)."""
+        parts = self._row_tables[kind].get("parts", [])
         index = self._next_part.get(kind)
         if index is None:
-            parts = self._row_tables[kind].get("parts", [])
             spans = [self._part_span(kind, key) for key in parts]
             index = max([len(parts)] + [span[1] + 1 for span in spans if span is not None])
-            self._next_part[kind] = index
+        listed = set(parts)
+        while f"rows/{kind}/part-{index:06d}.parquet" in listed:
+            index += 1
+        self._next_part[kind] = index
         return index
 
     def _merge_parts(self, kind: str) -> None:

@@ -205,6 +205,10 @@ def _other_first(path):
     _edit_segment(path, 0, lambda d: d.update(first=1))
 
 
+def _float_end(path):
+    _edit_segment(path, 2, lambda d: d.update(end=4.0))
+
+
 def _other_hook_point(path):
     _edit_segment(path, 2, lambda d: d.update(hook_point="1.output"))
 
@@ -234,6 +238,7 @@ DAMAGE = {
     "record outside its segment": (_record_outside, r"manifest\.0\.json field shards\[1\]\.shard must be in 0\.\.1"),
     "index record inside a segment": (_tail_inside, r"manifest\.json field shards\[0\]\.shard must be at least 4"),
     "another first": (_other_first, r"manifest\.0\.json field first must be 0"),
+    "end a float": (_float_end, r"manifest\.2\.json field end must be 4 .*got 4\.0"),
     "another hook point": (_other_hook_point, r"manifest\.2\.json field hook_point must be '0\.output'"),
     "a record short": (_short, r"manifest\.0\.json field shards must be a list of 2 records"),
     "missing": (_missing, r"manifest segment acts/0\.output/manifest\.0\.json is missing, but the manifest"),
@@ -252,6 +257,33 @@ def test_a_damaged_segment_is_named_by_reads_and_verify(segmented, damage):
             st[HP, row:row + 1]
     problems = open_store(path).verify()
     assert any(re.search(message, p) for p in problems), problems
+
+
+SEGMENT_LIES = {
+    "key": (lambda d: d["shards"][1].update(key="../other.zarr/acts/0.output/c/1/0"),
+            r"shard 1: key '\.\./other\.zarr/acts/0\.output/c/1/0' is not the shard's key"),
+    "rows_end": (lambda d: d["shards"][0].update(rows_end=32), r"shard 0: rows_end 32 must be 64"),
+    "file_bytes": (lambda d: d["shards"][1].update(file_bytes=99999),
+                   r"shard 1: file_bytes 99999 differs from the size of the shard file"),
+}
+
+
+@pytest.mark.parametrize("lie", list(SEGMENT_LIES))
+def test_verify_names_the_segment_that_holds_a_lying_record(segmented, lie, capsys):
+    """A record of a segment whose key, rows_end or file_bytes lies (the segment's size and crc32c
+    in the index made to match): reads stay right, and verify named the index manifest.json,
+    which does not hold that record; it names the segment now."""
+    from activationscope import cli
+
+    path, data = segmented
+    edit, message = SEGMENT_LIES[lie]
+    _edit_segment(path, 0, edit)
+    assert torch.equal(open_store(path)[HP], data)
+    problems = open_store(path).verify()
+    assert len(problems) == 1, problems
+    assert re.search(rf"manifest acts/0\.output/manifest\.0\.json {message}", problems[0]), problems
+    assert cli.main(["verify", str(path)]) == 1
+    assert re.search(rf"manifest\.0\.json {message}", capsys.readouterr().err)
 
 
 def test_a_segment_over_64_mib_is_refused_before_it_is_read(segmented, monkeypatch):

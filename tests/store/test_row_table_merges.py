@@ -126,6 +126,33 @@ def test_a_resume_of_a_store_of_one_part_a_commit_merges_them_and_names_new_part
     assert files["found"] == files["listed"] and st.verify() == []
 
 
+def test_a_resume_names_no_new_part_as_a_listed_part_of_a_longer_number(tmp_path, monkeypatch):
+    """A store from elsewhere listing ``part-999999999999.parquet`` (12 digits): a resume named
+    its next parts ``part-1000000000000.parquet`` on (13 digits, which the part names it reads
+    never matched), so a second resume named its first part ``part-1000000000000.parquet``
+    again, overwrote that listed part with other rows and listed it twice (a store no reader
+    opens). New parts are named past every listed name now."""
+    path = tmp_path / "s.zarr"
+    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
+    merge_child.capture(str(path), 3)
+    doc = json.loads((path / "zarr.json").read_text())
+    attrs = doc["attributes"]["activationscope"]
+    for kind, table in attrs["row_tables"].items():
+        old, new = f"rows/{kind}/part-000002.parquet", f"rows/{kind}/part-999999999999.parquet"
+        os.rename(path / old, path / new)
+        table["parts"][table["parts"].index(old)] = new
+        table["crc32c"][new] = table["crc32c"].pop(old)
+    (path / "zarr.json").write_text(json.dumps(doc))
+    merge_child.capture(str(path), 5, resume=True)
+    merge_child.capture(str(path), 7, resume=True)
+    st = open_store(path)
+    parts = st.attrs["row_tables"]["sample"]["parts"]
+    assert len(set(parts)) == len(parts) == 7, parts
+    assert st.verify() == []
+    assert st.row_table("sample").column("batch").to_pylist() == [i for i in range(7) for _ in (0, 1)]
+    assert st.row_table("token").column("tok").to_pylist()[-3:] == [6, 7, 8]
+
+
 def test_a_reader_opened_before_commits_merged_its_parts_reads_the_rows_it_was_opened_with(tmp_path):
     """A reader (and a dataset) opened while a capture runs lists the parts of its commit; a
     later commit merged them and removed them: its row_table() raised StoreCorruptError ("part
