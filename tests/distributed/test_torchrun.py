@@ -1895,3 +1895,28 @@ def test_two_ranks_seal_manifest_segments_and_read_as_without(captured, tmp_path
     for kind in ("sample", "token"):
         assert a.row_table(kind).equals(b.row_table(kind))
     assert b.verify() == []
+
+
+def test_a_rank_that_hangs_at_the_end_is_named_after_rank_wait_s(tmp_path):
+    """Rank 0 hung before the end of its share (user code, stuck I/O) while rank 1 finished:
+    rank 1 waited for its outcome up to the wait group's timeout, 24 hours, with no option to
+    shorten it. The wait is now store_options rank_wait_s (default 30 minutes; 2 seconds here):
+    rank 1 raises naming rank 0 and what to run, and nothing is committed."""
+    store = tmp_path / "hung.zarr"
+    out = _torchrun(store, "--rank-wait-s", "2", "--slow-rank0-s", "15")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert "rank(s) [0] did not reach the end of the capture within store_options rank_wait_s=2 seconds" in err, \
+        err[-3000:]
+    assert "rerun it with store_options resume=True" in err and "activationscope consolidate STORE" in err
+    assert acs.open_store(store).status == "incomplete"
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                          (float("nan"), ValueError), ("60", TypeError), (True, TypeError)])
+def test_rank_wait_s_must_be_a_positive_number_of_seconds(tmp_path, value, error):
+    """store_options rank_wait_s is checked when the scope is made, before a model runs."""
+    with pytest.raises(error, match=r"store_options rank_wait_s must be a positive finite number of "
+                                                     r"seconds, got "):
+        acs.ActivationScope(store=tmp_path / "s.zarr", store_options={"rank_wait_s": value})
+    assert not (tmp_path / "s.zarr").exists()
