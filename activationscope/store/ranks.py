@@ -1842,8 +1842,10 @@ class RankSession:
             raise error
         if failed and exc is None:
             raise StoreError(
-                f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed ({'; '.join(failed.values())}); "
-                "nothing was committed. Every rank's committed rows are kept in its rank store: rerun with "
+                f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed "
+                f"({'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}); "
+                "nothing was committed. Fix what they report; every rank's committed rows are kept in its rank "
+                "store: rerun with "
                 "store_options resume=True to continue, or run `activationscope consolidate` once every rank store "
                 "is complete"
             )

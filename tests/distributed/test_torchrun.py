@@ -1737,7 +1737,7 @@ def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
     assert out.returncode != 0
     err = out.stdout + out.stderr
     assert "rank 1 caught: injected failure to open the store of rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
     assert "nothing was committed" in err
     assert acs.open_store(store).status == "incomplete"
 
@@ -1753,7 +1753,7 @@ def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_pa
     assert out.returncode != 0
     err = out.stdout + out.stderr
     assert "rank 1 caught: injected failure to wrap a module on rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
     assert "nothing was committed" in err
     assert acs.open_store(store).status == "incomplete"
 
@@ -1920,3 +1920,28 @@ def test_rank_wait_s_must_be_a_positive_number_of_seconds(tmp_path, value, error
                                                      r"seconds, got "):
         acs.ActivationScope(store=tmp_path / "s.zarr", store_options={"rank_wait_s": value})
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_resume_refused_on_one_rank_is_named_with_its_reason_on_the_others(tmp_path):
+    """Rank 1's rank store was captured with CapturePolicy.SAMPLE_N, which cannot be resumed:
+    rank 1 refused the resume, but rank 0 raised only "rank(s) [1] failed (StoreError: the
+    capture on this rank was discarded)", the reason in rank 1's log alone (torchrun prints
+    the first failure only). Rank 0 now names rank 1 and the refusal itself."""
+    store = tmp_path / "sample_n.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
+                                capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2,
+                                store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(1, WORLD)})
+    with scope.track(model) as tracker, torch.no_grad():  # rank 1's share, stopped part way
+        for b in job.batches_of(1, WORLD)[:4]:
+            tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+            model(job.batch(b))
+    out = _torchrun(store, "--resume", "--sample-every", "2")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    lines = [ln for ln in err.splitlines() if ln.startswith("[rank0]:") and "rank(s) [1] failed" in ln]
+    assert lines, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: CaptureError: cannot resume " in lines[0], lines[0]
+    assert "with CapturePolicy.SAMPLE_N (sample_every=2): the store records the forwards it captured" in lines[0]
+    assert "nothing was committed" in lines[0]
+    assert acs.open_store(store).status == "incomplete"
