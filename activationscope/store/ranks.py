@@ -655,6 +655,44 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
     return out
 
 
+def _check_same_reductions(states: list[dict[str, dict[str, dict]]], used: list[int]) -> None:
+    """Refuse rank stores whose reductions differ (names, kinds or options of a hook point's
+    reductions: their states cannot be merged into one result), before anything is merged or
+    written; the error names the hook point, the two ranks and the difference. ``states``:
+    every rank store's :func:`_rank_states`; ``used``: the ranks that captured rows."""
+    def shown(entry: dict) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(entry["options"].items()))
+        return f"{entry['kind']}({opts})"
+
+    fix = "every rank must capture the same reductions (capture rank {r} again with those of rank {first}: " \
+          "store_options overwrite=True replaces only its rank store); nothing was written"
+    first = used[0]
+    for r in used[1:]:
+        a, b = states[first], states[r]
+        for hp in [*a, *(h for h in b if h not in a)]:
+            names_a, names_b = sorted(a.get(hp, {})), sorted(b.get(hp, {}))
+            if names_a != names_b:
+                only_a = [n for n in names_a if n not in names_b]
+                only_b = [n for n in names_b if n not in names_a]
+                raise StoreError(
+                    f"rank stores disagree on the reductions of hook point {hp!r}: rank {first} has {names_a}, rank "
+                    f"{r} has {names_b} ({f'only rank {first}: {only_a}' if only_a else ''}"
+                    f"{'; ' if only_a and only_b else ''}{f'only rank {r}: {only_b}' if only_b else ''}); "
+                    + fix.format(r=r, first=first))
+            for name in names_a:
+                ea, eb = a[hp][name], b[hp][name]
+                if ea["kind"] != eb["kind"] or ea["options"] != eb["options"]:
+                    if ea["kind"] != eb["kind"]:
+                        diff = f"kind {ea['kind']!r} vs {eb['kind']!r}"
+                    else:
+                        keys = sorted(set(ea["options"]) | set(eb["options"]))
+                        diff = ", ".join(f"{k} {ea['options'].get(k)!r} vs {eb['options'].get(k)!r}" for k in keys
+                                         if ea["options"].get(k) != eb["options"].get(k))
+                    raise StoreError(
+                        f"rank stores disagree on reduction {name!r} of hook point {hp!r}: rank {first} has "
+                        f"{shown(ea)}, rank {r} has {shown(eb)} ({diff}); " + fix.format(r=r, first=first))
+
+
 def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, dict], Any] | None,
                        states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, Any, dict]]]:
     """Every reduction of the rank stores merged from their float64 states (before a commit
@@ -673,8 +711,8 @@ def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, 
             raise st._refused_error(hp, problems)
     states = [_rank_states(s) for s in stores]
     used = [r for r, s in enumerate(stores) if _captured(s)]  # a rank that captured nothing adds no state
-    state_hps = _check_same([stores[r] for r in used], "the reductions", lambda s: {
-        hp: sorted(v) for hp, v in states[stores.index(s)].items()}, used)
+    _check_same_reductions(states, used)
+    state_hps = {hp: sorted(v) for hp, v in states[used[0]].items()}
     if stores[used[0]].attrs.get("reductions") and not state_hps:
         raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged; "
                          "nothing was written")

@@ -1945,3 +1945,38 @@ def test_a_resume_refused_on_one_rank_is_named_with_its_reason_on_the_others(tmp
     assert "with CapturePolicy.SAMPLE_N (sample_every=2): the store records the forwards it captured" in lines[0]
     assert "nothing was committed" in lines[0]
     assert acs.open_store(store).status == "incomplete"
+
+
+_HIST = ("mean", "hist", {"lo": -1, "hi": 1, "bins": 4})
+
+
+@pytest.mark.parametrize("rank0, rank1, said", [
+    (["mean"], ["mean", "var"], "rank stores disagree on the reductions of hook point '0.output': rank 0 has ['mean'], "
+                                "rank 1 has ['mean', 'var'] (only rank 1: ['var'])"),
+    (["mean"], [_HIST], "rank stores disagree on reduction 'mean' of hook point '0.output': rank 0 has "
+                        "mean(per_feature=1.0), rank 1 has hist(bins=4.0, hi=1.0, lo=-1.0, per_feature=1.0) (kind 'mean' "
+                        "vs 'hist')"),
+    ([_HIST], [("mean", "hist", {"lo": -1, "hi": 2, "bins": 4})],
+     "rank stores disagree on reduction 'mean' of hook point '0.output': rank 0 has hist(bins=4.0, hi=1.0, lo=-1.0, "
+     "per_feature=1.0), rank 1 has hist(bins=4.0, hi=2.0, lo=-1.0, per_feature=1.0) (hi 1.0 vs 2.0)"),
+])
+def test_rank_stores_of_other_reductions_are_refused_naming_the_hook_point_the_ranks_and_the_difference(
+        tmp_path, rank0, rank1, said):
+    """Rank stores whose reductions differ were refused, but naming neither the ranks (another
+    hist range: "... vs ...; capture the other rank again") nor the hook point (another set:
+    every hook point's names of both ranks). commit_ranks now names the hook point, both ranks
+    and what differs, before anything is written."""
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task, reductions in ((0, rank0), (1, rank1)):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
+                torch.no_grad():
+            model(torch.randn(6, 8))
+    before = _tree(store)
+    with pytest.raises(acs.StoreError) as e:
+        commit_ranks_(store)
+    assert said in str(e.value), str(e.value)
+    assert "capture rank 1 again with those of rank 0" in str(e.value) and "nothing was written" in str(e.value)
+    assert _tree(store) == before
