@@ -1721,10 +1721,21 @@ class RankSession:
                                           storage_options=opts.get("storage_options"))
                 except Exception as e:  # noqa: BLE001 - every rank must learn it
                     error = e
-            seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
-                                 "error": None if error is None else f"{type(error).__name__}: {error}",
-                                 "run_id": run_id, "token": uuid.uuid4().hex if self.rank == 0 else None},
-                                self._wait_group)
+            try:
+                seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
+                                     "error": None if error is None else f"{type(error).__name__}: {error}",
+                                     "run_id": run_id, "token": uuid.uuid4().hex if self.rank == 0 else None},
+                                    self._wait_group)
+            except Exception as e:
+                if self.rank == 0 and error is not None:
+                    raise error from e
+                raise StoreError(
+                    f"rank {self.rank}: the ranks of the multi-rank capture into {self.root!r} did not all meet at its "
+                    f"start within {self._wait_text()} ({type(e).__name__}: {e}); nothing was captured. Rank 0 "
+                    "prepares the store meanwhile (an overwrite=True of a large store on object storage may take "
+                    "longer: give every rank a longer store_options rank_wait_s, in seconds), or a rank did not "
+                    "start its capture (hung, or died: see its log)"
+                ) from e
             roots = {s["root"] for s in seen}
             if len(roots) != 1:
                 raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "

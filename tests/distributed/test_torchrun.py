@@ -1980,3 +1980,16 @@ def test_rank_stores_of_other_reductions_are_refused_naming_the_hook_point_the_r
     assert said in str(e.value), str(e.value)
     assert "capture rank 1 again with those of rank 0" in str(e.value) and "nothing was written" in str(e.value)
     assert _tree(store) == before
+
+
+def test_a_preparation_longer_than_rank_wait_s_names_the_option(tmp_path):
+    """Rank 0 prepared the store for longer than the waits' timeout: rank 1 failed with gloo's
+    bare "Timed out waiting ... for recv operation". It now raises StoreError saying the ranks
+    did not meet at the start within store_options rank_wait_s, and what to do."""
+    store = tmp_path / "slow_prepare.zarr"
+    out = _torchrun(store, "--rank-wait-s", "2", "--slow-prepare-s", "12")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert ("rank 1: the ranks of the multi-rank capture into " in err and "did not all meet at its start within "
+            "store_options rank_wait_s=2 seconds" in err), err[-3000:]
+    assert "give every rank a longer store_options rank_wait_s" in err
