@@ -1294,8 +1294,7 @@ class Tracker:
                 # the store holds the forwards it captured, not those it skipped: a resume cannot
                 # tell which forward of the data comes next
                 self._closed = True
-                _discard(self.writer)
-                raise CaptureError(
+                refused = CaptureError(
                     f"cannot resume {self.writer.path!r} with CapturePolicy.SAMPLE_N (sample_every="
                     f"{self.scope.sample_every}): the store records the forwards it captured, not the ones it skipped, "
                     "so a resume cannot tell which forward of the data comes next and would store other samples "
@@ -1303,6 +1302,8 @@ class Tracker:
                     f"{self.scope.sample_every}-th batch instead (CapturePolicy.EVERY, which resumes by samples), or "
                     "start again with overwrite=True (the store is left as it was)"
                 )
+                _discard(self.writer, refused)  # (the other ranks of a multi-rank capture are told why)
+                raise refused
             stored = getattr(self.writer, "stored_hook_points", None)
             self._stored = frozenset(stored) if stored else None
             # stored hook points a forward may not call (their rows already do not follow the

@@ -24,6 +24,7 @@ import inspect
 import io
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -654,6 +655,44 @@ def _rank_row_tables(stores: list[Store], hps: list[str], metas: dict[str, dict]
     return out
 
 
+def _check_same_reductions(states: list[dict[str, dict[str, dict]]], used: list[int]) -> None:
+    """Refuse rank stores whose reductions differ (names, kinds or options of a hook point's
+    reductions: their states cannot be merged into one result), before anything is merged or
+    written; the error names the hook point, the two ranks and the difference. ``states``:
+    every rank store's :func:`_rank_states`; ``used``: the ranks that captured rows."""
+    def shown(entry: dict) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(entry["options"].items()))
+        return f"{entry['kind']}({opts})"
+
+    fix = "every rank must capture the same reductions (capture rank {r} again with those of rank {first}: " \
+          "store_options overwrite=True replaces only its rank store); nothing was written"
+    first = used[0]
+    for r in used[1:]:
+        a, b = states[first], states[r]
+        for hp in [*a, *(h for h in b if h not in a)]:
+            names_a, names_b = sorted(a.get(hp, {})), sorted(b.get(hp, {}))
+            if names_a != names_b:
+                only_a = [n for n in names_a if n not in names_b]
+                only_b = [n for n in names_b if n not in names_a]
+                raise StoreError(
+                    f"rank stores disagree on the reductions of hook point {hp!r}: rank {first} has {names_a}, rank "
+                    f"{r} has {names_b} ({f'only rank {first}: {only_a}' if only_a else ''}"
+                    f"{'; ' if only_a and only_b else ''}{f'only rank {r}: {only_b}' if only_b else ''}); "
+                    + fix.format(r=r, first=first))
+            for name in names_a:
+                ea, eb = a[hp][name], b[hp][name]
+                if ea["kind"] != eb["kind"] or ea["options"] != eb["options"]:
+                    if ea["kind"] != eb["kind"]:
+                        diff = f"kind {ea['kind']!r} vs {eb['kind']!r}"
+                    else:
+                        keys = sorted(set(ea["options"]) | set(eb["options"]))
+                        diff = ", ".join(f"{k} {ea['options'].get(k)!r} vs {eb['options'].get(k)!r}" for k in keys
+                                         if ea["options"].get(k) != eb["options"].get(k))
+                    raise StoreError(
+                        f"rank stores disagree on reduction {name!r} of hook point {hp!r}: rank {first} has "
+                        f"{shown(ea)}, rank {r} has {shown(eb)} ({diff}); " + fix.format(r=r, first=first))
+
+
 def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, dict], Any] | None,
                        states_read: dict[tuple[int, str, str], dict]) -> dict[str, dict[str, tuple[str, Any, dict]]]:
     """Every reduction of the rank stores merged from their float64 states (before a commit
@@ -672,8 +711,8 @@ def _merged_reductions(stores: list[Store], make_reduction: Callable[[str, str, 
             raise st._refused_error(hp, problems)
     states = [_rank_states(s) for s in stores]
     used = [r for r, s in enumerate(stores) if _captured(s)]  # a rank that captured nothing adds no state
-    state_hps = _check_same([stores[r] for r in used], "the reductions", lambda s: {
-        hp: sorted(v) for hp, v in states[stores.index(s)].items()}, used)
+    _check_same_reductions(states, used)
+    state_hps = {hp: sorted(v) for hp, v in states[used[0]].items()}
     if stores[used[0]].attrs.get("reductions") and not state_hps:
         raise StoreError("the rank stores hold reduction results but no reduction states; they cannot be merged; "
                          "nothing was written")
@@ -1567,18 +1606,40 @@ def _local_root(store: Any) -> str:
     return path
 
 
-#: Seconds a rank of a multi-rank capture waits for rank 0 to prepare the store, and at the end
-#: for the other ranks to finish their share and for rank 0's commit (the timeout of the group
-#: of those waits): 24 hours.
-OUTCOME_WAIT_S = 24 * 3600
+#: Default of ``store_options={"rank_wait_s": ...}``: seconds a rank of a multi-rank capture
+#: waits for rank 0 to prepare the store, and at the end for the other ranks to finish their
+#: share and for rank 0's commit (the timeout of the group of those waits): 30 minutes.
+RANK_WAIT_S = 30 * 60
+#: The former name of :data:`RANK_WAIT_S`.
+OUTCOME_WAIT_S = RANK_WAIT_S
+
+
+def _check_rank_wait_s(value: Any) -> float:
+    """``rank_wait_s`` as a float, once it is a positive finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(
+            f"store_options rank_wait_s must be a positive finite number of seconds, got {value!r}; e.g. "
+            f"rank_wait_s={RANK_WAIT_S} (the default: 30 minutes)")
+    if not math.isfinite(value) or value <= 0:
+        raise ArgumentValueError(
+            f"store_options rank_wait_s must be a positive finite number of seconds, got {value!r}; e.g. "
+            f"rank_wait_s={RANK_WAIT_S} (the default: 30 minutes)")
+    return float(value)
 
 
 class RankSession:
     """One rank's part of a multi-rank capture (see the module docstring)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, root: str, standalone: bool = False) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, root: str, standalone: bool = False,
+                 wait_s: float = RANK_WAIT_S) -> None:
         self.group, self.rank, self.world_size, self.root = group, rank, world_size, root
         self.standalone = standalone
+        #: the timeout, in seconds, of the group of the waits (``store_options`` ``rank_wait_s``)
+        self.wait_s = wait_s
+        #: keys of this capture in the default group's store: each rank sets ``<prefix>/<rank>``
+        #: when it reaches the end (:meth:`_finish`), so that a wait that times out names the
+        #: ranks that did not (None: no such store)
+        self._arrival: tuple[Any, str] | None = None
         #: a task capturing the store again (:func:`_capture_again`): its rank store is of a new run
         self.again = False
         #: the run the root names (``distributed.run_id``), recorded by this rank's store
@@ -1590,7 +1651,7 @@ class RankSession:
         self.timings: dict[str, float] = {}
         #: the group of the waits (rank 0's preparation in :meth:`writer_options`, the exchanges
         #: at the end in :meth:`finish`): a gloo group of the default group's ranks whose timeout
-        #: is OUTCOME_WAIT_S, made by :meth:`writer_options` before the preparation (None: the
+        #: is ``wait_s``, made by :meth:`writer_options` before the preparation (None: the
         #: default group, when that gloo group could not be made)
         self._wait_group: Any = None
 
@@ -1641,7 +1702,7 @@ class RankSession:
             import torch.distributed as dist
 
             try:
-                self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OUTCOME_WAIT_S))
+                self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.wait_s))
             except Exception as e:  # noqa: BLE001 - e.g. gloo finds no network interface (nccl clusters)
                 warn_at_caller(
                     f"rank {self.rank}: the gloo group of the long waits of a multi-rank capture could not be made "
@@ -1660,9 +1721,21 @@ class RankSession:
                                           storage_options=opts.get("storage_options"))
                 except Exception as e:  # noqa: BLE001 - every rank must learn it
                     error = e
-            seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
-                                 "error": None if error is None else f"{type(error).__name__}: {error}",
-                                 "run_id": run_id}, self._wait_group)
+            try:
+                seen = self._gather({"root": self.root if "://" in self.root else os.path.abspath(self.root),
+                                     "error": None if error is None else f"{type(error).__name__}: {error}",
+                                     "run_id": run_id, "token": uuid.uuid4().hex if self.rank == 0 else None},
+                                    self._wait_group)
+            except Exception as e:
+                if self.rank == 0 and error is not None:
+                    raise error from e
+                raise StoreError(
+                    f"rank {self.rank}: the ranks of the multi-rank capture into {self.root!r} did not all meet at its "
+                    f"start within {self._wait_text()} ({type(e).__name__}: {e}); nothing was captured. Rank 0 "
+                    "prepares the store meanwhile (an overwrite=True of a large store on object storage may take "
+                    "longer: give every rank a longer store_options rank_wait_s, in seconds), or a rank did not "
+                    "start its capture (hung, or died: see its log)"
+                ) from e
             roots = {s["root"] for s in seen}
             if len(roots) != 1:
                 raise StoreError(f"the ranks of a multi-rank capture must name one store, got {sorted(roots)}; pass "
@@ -1677,6 +1750,7 @@ class RankSession:
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
         self.run_id = seen[0].get("run_id")
+        self._arrival = _arrival_keys(seen[0]["token"])
         try:
             exists, other = self._rank_store_found(target, opts.get("storage_options"))
         except BaseException as e:
@@ -1694,7 +1768,7 @@ class RankSession:
         The failure goes through the outcome exchange of :meth:`finish`, which the other ranks
         reach at the end of their capture: they then raise naming this rank and ``exc`` (and
         rank 0 commits nothing) instead of waiting for an outcome this rank would never send,
-        up to ``OUTCOME_WAIT_S``, when the caller catches ``exc`` and its process goes on. This
+        up to ``rank_wait_s``, when the caller catches ``exc`` and its process goes on. This
         rank returns once they got there. Never raises.
         """
         if self.standalone:
@@ -1705,6 +1779,23 @@ class RankSession:
             pass
         finally:
             self._release_wait_group()
+
+    def _not_arrived(self) -> list[int]:
+        """The ranks that did not reach :meth:`_finish` (their key unset), in order; empty when
+        unknown (no store of the default group)."""
+        if self._arrival is None:
+            return []
+        store, prefix = self._arrival
+        try:
+            return [r for r in range(self.world_size) if not store.check([f"{prefix}/{r}"])]
+        except Exception:  # noqa: BLE001 - the store is gone with the group: unknown
+            return []
+
+    def _wait_text(self) -> str:
+        """The bound of the waits, for a message."""
+        if self._wait_group is not None:
+            return f"store_options rank_wait_s={self.wait_s:g} seconds"
+        return "the timeout of the process group of the waits"
 
     def _release_wait_group(self) -> None:
         """Destroy the group of the waits (:meth:`writer_options`), when there is one."""
@@ -1750,7 +1841,25 @@ class RankSession:
                 mine: BaseException | None) -> None:
         """:meth:`finish` once this rank's store is closed: the outcome exchange and rank 0's commit."""
         t0 = time.monotonic()
-        seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}", self._wait_group)
+        if self._arrival is not None:
+            try:
+                self._arrival[0].set(f"{self._arrival[1]}/{self.rank}", "1")
+            except Exception:  # noqa: BLE001 - only for the message of a wait that times out
+                self._arrival = None
+        try:
+            seen = self._gather(None if mine is None else f"{type(mine).__name__}: {mine}", self._wait_group)
+        except Exception as e:
+            absent = self._not_arrived()
+            if not absent:
+                raise
+            raise StoreError(
+                f"multi-rank capture into {self.root!r}: rank(s) {absent} did not reach the end of the capture within "
+                f"{self._wait_text()} (hung in user code or stuck in I/O, or died: {type(e).__name__}: {e}); nothing "
+                "was committed. Every rank's committed rows are kept in its rank store: stop the run and rerun it "
+                "with store_options resume=True to continue every rank, or run `activationscope consolidate STORE` "
+                "once every rank store is complete. Ranks that finish their share further apart than that (uneven "
+                "data) need a longer store_options rank_wait_s (in seconds, the same on every rank)"
+            ) from e
         self.timings["wait_s"] = time.monotonic() - t0
         failed = {r: s for r, s in enumerate(seen) if s is not None}
         outcome = None
@@ -1767,13 +1876,25 @@ class RankSession:
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
-        outcomes = self._gather(outcome, self._wait_group)
+        try:
+            outcomes = self._gather(outcome, self._wait_group)
+        except Exception as e:
+            if self.rank == 0 or failed:
+                raise
+            raise StoreError(
+                f"rank 0's commit of the multi-rank store {self.root!r} did not finish within {self._wait_text()} "
+                f"({type(e).__name__}: {e}); it may still finish: `activationscope info STORE` says whether the store "
+                "is complete; if not, run `activationscope consolidate STORE` (the rank stores are kept). Commits "
+                "that take longer (a large store on object storage) need a longer store_options rank_wait_s (in seconds)"
+            ) from e
         if error is not None:
             raise error
         if failed and exc is None:
             raise StoreError(
-                f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed ({'; '.join(failed.values())}); "
-                "nothing was committed. Every rank's committed rows are kept in its rank store: rerun with "
+                f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed "
+                f"({'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}); "
+                "nothing was committed. Fix what they report; every rank's committed rows are kept in its rank "
+                "store: rerun with "
                 "store_options resume=True to continue, or run `activationscope consolidate` once every rank store "
                 "is complete"
             )
@@ -1877,7 +1998,8 @@ class RankWriter:
             pass
 
 
-def open_capture_writer(target: Any, *, process_group: Any = None, **options: Any) -> Any:
+def open_capture_writer(target: Any, *, process_group: Any = None, rank_wait_s: float = RANK_WAIT_S,
+                        **options: Any) -> Any:
     """The writer of ``ActivationScope(store=...)`` captures (registered with the capture layer).
 
     A :class:`StoreWriter` for a one-process capture, or a :class:`RankWriter` writing this
@@ -1892,11 +2014,23 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
         None: the default group when ``torch.distributed`` is initialised with more than one
         rank; False: never (one store per process); a process group; or a
         :class:`RankStore` (a task without a process group).
+    rank_wait_s : float, default RANK_WAIT_S (1800 seconds)
+        How long, in seconds, a rank of a multi-rank capture waits for rank 0 to prepare the
+        store, at the end for every other rank to finish its share, then for rank 0's commit
+        (the timeout of the gloo group of those waits; with a ``process_group`` of your own,
+        or where that gloo group cannot be made, the timeout of the group they go through).
+        Unused by a one-process capture or a :class:`RankStore` task.
+
+    Raises
+    ------
+    StoreError
+        At the close: a rank did not reach the end within ``rank_wait_s`` (the error names
+        it), or rank 0's commit did not finish within it.
 
     Warns
     -----
     CaptureWarning
-        The gloo group of the long waits (up to ``OUTCOME_WAIT_S``) of a capture on the
+        The gloo group of the long waits (up to ``rank_wait_s``) of a capture on the
         default group could not be made (gloo found no network interface): the waits go
         through the default group, ending with its timeout; set ``GLOO_SOCKET_IFNAME`` or
         pass a longer ``timeout=`` to ``init_process_group``.
@@ -1908,6 +2042,8 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
                            "are merged from their rows; capture a store per rank with process_group=False, or store "
                            "the rows; nothing was written")
     session = detect(process_group, target)
+    if session is not None:
+        session.wait_s = _check_rank_wait_s(rank_wait_s)
     if session is None:
         try:
             return StoreWriter(target, **options)
@@ -1938,6 +2074,19 @@ def open_capture_writer(target: Any, *, process_group: Any = None, **options: An
     return RankWriter(session, inner)
 
 
+def _arrival_keys(token: str | None) -> tuple[Any, str] | None:
+    """The default group's store and the key prefix of a capture (``token``: made by rank 0),
+    or None where there is none (the waits then cannot name the ranks that did not arrive)."""
+    if token is None:
+        return None
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store(), f"activationscope/arrived/{token}"
+    except Exception:  # noqa: BLE001 - a torch without it
+        return None
+
+
 def _several_ranks() -> bool:
     """Whether this process is one of several ranks: ``torch.distributed`` initialised with
     more than one, or a launcher's ``WORLD_SIZE`` (torchrun) above 1."""
@@ -1958,13 +2107,16 @@ def _capture_writer_signature() -> Any:
 
     params = [p for n, p in inspect.signature(StoreWriter.__init__).parameters.items() if n != "self"]
     params.append(inspect.Parameter("process_group", inspect.Parameter.KEYWORD_ONLY, default=None))
+    params.append(inspect.Parameter("rank_wait_s", inspect.Parameter.KEYWORD_ONLY, default=RANK_WAIT_S))
     return inspect.Signature(params)
 
 
-def _check_capture_writer_options(*, process_group: Any = None, **options: Any) -> None:
-    """Check ``store_options`` values as :meth:`StoreWriter.check_options`, and that
+def _check_capture_writer_options(*, process_group: Any = None, rank_wait_s: float = RANK_WAIT_S,
+                                  **options: Any) -> None:
+    """Check ``store_options`` values as :meth:`StoreWriter.check_options`, that
     ``process_group`` is one of the values it takes (whether the group works is learnt when the
-    writer opens)."""
+    writer opens) and that ``rank_wait_s`` is a positive number of seconds."""
+    _check_rank_wait_s(rank_wait_s)
     from .writer import StoreWriter
 
     if not (process_group is None or process_group is False or isinstance(process_group, RankStore)

@@ -1737,7 +1737,7 @@ def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
     assert out.returncode != 0
     err = out.stdout + out.stderr
     assert "rank 1 caught: injected failure to open the store of rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
     assert "nothing was committed" in err
     assert acs.open_store(store).status == "incomplete"
 
@@ -1753,7 +1753,7 @@ def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_pa
     assert out.returncode != 0
     err = out.stdout + out.stderr
     assert "rank 1 caught: injected failure to wrap a module on rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
     assert "nothing was committed" in err
     assert acs.open_store(store).status == "incomplete"
 
@@ -1895,3 +1895,101 @@ def test_two_ranks_seal_manifest_segments_and_read_as_without(captured, tmp_path
     for kind in ("sample", "token"):
         assert a.row_table(kind).equals(b.row_table(kind))
     assert b.verify() == []
+
+
+def test_a_rank_that_hangs_at_the_end_is_named_after_rank_wait_s(tmp_path):
+    """Rank 0 hung before the end of its share (user code, stuck I/O) while rank 1 finished:
+    rank 1 waited for its outcome up to the wait group's timeout, 24 hours, with no option to
+    shorten it. The wait is now store_options rank_wait_s (default 30 minutes; 2 seconds here):
+    rank 1 raises naming rank 0 and what to run, and nothing is committed."""
+    store = tmp_path / "hung.zarr"
+    out = _torchrun(store, "--rank-wait-s", "2", "--slow-rank0-s", "15")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert "rank(s) [0] did not reach the end of the capture within store_options rank_wait_s=2 seconds" in err, \
+        err[-3000:]
+    assert "rerun it with store_options resume=True" in err and "activationscope consolidate STORE" in err
+    assert acs.open_store(store).status == "incomplete"
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                          (float("nan"), ValueError), ("60", TypeError), (True, TypeError)])
+def test_rank_wait_s_must_be_a_positive_number_of_seconds(tmp_path, value, error):
+    """store_options rank_wait_s is checked when the scope is made, before a model runs."""
+    with pytest.raises(error, match=r"store_options rank_wait_s must be a positive finite number of "
+                                                     r"seconds, got "):
+        acs.ActivationScope(store=tmp_path / "s.zarr", store_options={"rank_wait_s": value})
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_resume_refused_on_one_rank_is_named_with_its_reason_on_the_others(tmp_path):
+    """Rank 1's rank store was captured with CapturePolicy.SAMPLE_N, which cannot be resumed:
+    rank 1 refused the resume, but rank 0 raised only "rank(s) [1] failed (StoreError: the
+    capture on this rank was discarded)", the reason in rank 1's log alone (torchrun prints
+    the first failure only). Rank 0 now names rank 1 and the refusal itself."""
+    store = tmp_path / "sample_n.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    scope = acs.ActivationScope(store=str(store), reductions=["mean", "var", "cov"],
+                                capture_policy=acs.CapturePolicy.SAMPLE_N, sample_every=2,
+                                store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(1, WORLD)})
+    with scope.track(model) as tracker, torch.no_grad():  # rank 1's share, stopped part way
+        for b in job.batches_of(1, WORLD)[:4]:
+            tracker.set_batch(sample_ids=torch.arange(b * job.BATCH, (b + 1) * job.BATCH))
+            model(job.batch(b))
+    out = _torchrun(store, "--resume", "--sample-every", "2")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    lines = [ln for ln in err.splitlines() if ln.startswith("[rank0]:") and "rank(s) [1] failed" in ln]
+    assert lines, err[-3000:]
+    assert "rank(s) [1] failed (rank 1: CaptureError: cannot resume " in lines[0], lines[0]
+    assert "with CapturePolicy.SAMPLE_N (sample_every=2): the store records the forwards it captured" in lines[0]
+    assert "nothing was committed" in lines[0]
+    assert acs.open_store(store).status == "incomplete"
+
+
+_HIST = ("mean", "hist", {"lo": -1, "hi": 1, "bins": 4})
+
+
+@pytest.mark.parametrize("rank0, rank1, said", [
+    (["mean"], ["mean", "var"], "rank stores disagree on the reductions of hook point '0.output': rank 0 has ['mean'], "
+                                "rank 1 has ['mean', 'var'] (only rank 1: ['var'])"),
+    (["mean"], [_HIST], "rank stores disagree on reduction 'mean' of hook point '0.output': rank 0 has "
+                        "mean(per_feature=1.0), rank 1 has hist(bins=4.0, hi=1.0, lo=-1.0, per_feature=1.0) (kind 'mean' "
+                        "vs 'hist')"),
+    ([_HIST], [("mean", "hist", {"lo": -1, "hi": 2, "bins": 4})],
+     "rank stores disagree on reduction 'mean' of hook point '0.output': rank 0 has hist(bins=4.0, hi=1.0, lo=-1.0, "
+     "per_feature=1.0), rank 1 has hist(bins=4.0, hi=2.0, lo=-1.0, per_feature=1.0) (hi 1.0 vs 2.0)"),
+])
+def test_rank_stores_of_other_reductions_are_refused_naming_the_hook_point_the_ranks_and_the_difference(
+        tmp_path, rank0, rank1, said):
+    """Rank stores whose reductions differ were refused, but naming neither the ranks (another
+    hist range: "... vs ...; capture the other rank again") nor the hook point (another set:
+    every hook point's names of both ranks). commit_ranks now names the hook point, both ranks
+    and what differs, before anything is written."""
+    store = tmp_path / "s.zarr"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for task, reductions in ((0, rank0), (1, rank1)):
+        opts = {"shard_rows": 8, "chunk_rows": 4, "process_group": acs.RankStore(task, 2)}
+        with acs.ActivationScope(store=str(store), store_options=opts, reductions=reductions).track(model), \
+                torch.no_grad():
+            model(torch.randn(6, 8))
+    before = _tree(store)
+    with pytest.raises(acs.StoreError) as e:
+        commit_ranks_(store)
+    assert said in str(e.value), str(e.value)
+    assert "capture rank 1 again with those of rank 0" in str(e.value) and "nothing was written" in str(e.value)
+    assert _tree(store) == before
+
+
+def test_a_preparation_longer_than_rank_wait_s_names_the_option(tmp_path):
+    """Rank 0 prepared the store for longer than the waits' timeout: rank 1 failed with gloo's
+    bare "Timed out waiting ... for recv operation". It now raises StoreError saying the ranks
+    did not meet at the start within store_options rank_wait_s, and what to do."""
+    store = tmp_path / "slow_prepare.zarr"
+    out = _torchrun(store, "--rank-wait-s", "2", "--slow-prepare-s", "12")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    assert ("rank 1: the ranks of the multi-rank capture into " in err and "did not all meet at its start within "
+            "store_options rank_wait_s=2 seconds" in err), err[-3000:]
+    assert "give every rank a longer store_options rank_wait_s" in err

@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=None)
     p.add_argument("--slow-rank0-s", type=float, default=0.0)
     p.add_argument("--slow-prepare-s", type=float, default=0.0)
+    p.add_argument("--rank-wait-s", type=float, default=None)
+    p.add_argument("--sample-every", type=int, default=0, help="CapturePolicy.SAMPLE_N with this period")
     p.add_argument("--fail-open-rank", type=int, default=-1)
     p.add_argument("--alive-s", type=float, default=0.0)
     p.add_argument("--fail-attach-rank", type=int, default=-1)
@@ -148,8 +150,11 @@ def main() -> None:
 
         scope_module.Tracker._install = failing_install
     model = toy_mlp(WIDTH, 3).eval().to(args.device)
-    scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"],
+    policy = ({"capture_policy": acs.CapturePolicy.SAMPLE_N, "sample_every": args.sample_every}
+              if args.sample_every else {})
+    scope = acs.ActivationScope(store=args.store, reductions=["mean", "var", "cov"], **policy,
                                 store_options={**STORE_OPTIONS, "resume": args.resume, "overwrite": args.overwrite,
+                                               **({"rank_wait_s": args.rank_wait_s} if args.rank_wait_s else {}),
                                                **({"storage_options": args.storage_options} if args.storage_options else {})})
     if rank in (args.fail_open_rank, args.fail_attach_rank):
         try:
