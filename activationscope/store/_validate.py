@@ -890,6 +890,12 @@ class Manifest(Mapping):
     def __len__(self) -> int:
         return sum(e["end"] - e["first"] for e in self.segments) + len(self._tail)
 
+    @property
+    def tail(self) -> dict[int, dict]:
+        """``{shard: record}`` of the records the index itself lists (the shards after its
+        segments, in its order): none of a segment, none read."""
+        return self._tail
+
     def n_listed(self, last: int) -> int:
         """How many of shards ``0 .. last`` are listed, without reading a segment (a segment's
         range counts whole: its records are checked when it is read)."""

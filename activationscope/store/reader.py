@@ -3599,7 +3599,9 @@ class Store:
         Sizes: ``bytes`` is the size of the committed rows (``rows x prod(feature_shape) x
         itemsize``), ``bytes_on_disk`` the size of their shard files (in a local folder the
         files as they are, a missing one 0: a size other than the manifest's is damage, which
-        :meth:`verify` names; in an object store the sizes its manifests record), and
+        :meth:`verify` names; no manifest segment, FORMAT.md section 5, is read for them; in an
+        object store the sizes its manifests record, which reads each of their segments, one
+        request each, as only their records give those sizes), and
         ``data_to_disk_ratio`` = ``bytes / bytes_on_disk``. That ratio is not a compression
         ratio: shard files also hold the padding of each array's last chunk (written full
         size) and the shard index, so a small uncompressed store shows well below 1; only
@@ -3650,7 +3652,9 @@ class Store:
             if crcs is not None and n:
                 shards = crcs.shards
                 n_chunks = int(meta["shard_rows"]) // int(meta["chunk_rows"])
-                for i, rec in enumerate(shards.values()):  # (its chunk entries too, as a full parse checks them)
+                # (the chunk entries of the records the index lists, as a full parse checks them; a
+                # segment's are checked when it is read, by a read that needs one of its shards or verify)
+                for i, rec in enumerate(shards.tail.values()):
                     V.check_chunk_entries(rec, n_chunks, store=self._backend, key=meta["manifest"],
                                           field=f"shards[{i}]")
             elif crcs is not None:  # no committed rows: a manifest there may be, checked as any
@@ -3660,11 +3664,11 @@ class Store:
                                               store=self._backend, key=meta["manifest"])
             if shards is not None:
                 local = isinstance(self._backend, LocalBackend)
-                for k, rec in shards.items():
+                for k in shards:  # (the shard numbers: no segment read, FORMAT.md section 5)
                     if k * int(meta["shard_rows"]) >= n:
                         continue
-                    if not local:  # an object store: as its manifest records them (no request per shard)
-                        disk += int(rec["file_bytes"])
+                    if not local:  # an object store: as its manifest records them (no request per shard;
+                        disk += int(shards[k]["file_bytes"])  # one per segment, read for its records)
                         continue
                     key = self._shard_file(meta, k)
                     try:  # the files as they are

@@ -477,3 +477,21 @@ def test_a_segment_claiming_trillions_of_shards_is_counted_without_a_step_per_sh
     _write_index(path, index)
     with pytest.raises(StoreCorruptError, match=rf"shard 'acts/0\.output/c/{last}/0' is missing"):
         open_store(path)[HP, 0:1]
+
+
+def test_info_sizes_a_local_store_without_reading_its_segments(segmented, monkeypatch):
+    """info() read every segment of every array to size the shards, whose local sizes are the
+    files' own: it reads none now, and gives the same bytes on disk; a store in memory, whose
+    sizes are its records', reads them."""
+    path, _ = segmented
+    loads = []
+    real = V.Manifest._load
+    monkeypatch.setattr(V.Manifest, "_load", lambda self, i: loads.append(i) or real(self, i))
+    files = sum(p.stat().st_size for p in (path / "acts" / HP / "c").rglob("*") if p.is_file())
+    info = open_store(path).info()
+    assert info["arrays"][HP]["bytes_on_disk"] == info["bytes_on_disk"] == files
+    assert loads == []
+    url = f"memory://acs-segments/{os.getpid()}-{random.getrandbits(32):08x}.zarr"
+    copy_store(str(path), url)
+    assert open_store(url).info()["arrays"][HP]["bytes_on_disk"] == files
+    assert sorted(loads) == [0, 1]
