@@ -833,6 +833,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                          "restore the files named from an intact copy of the store, or capture it again"),
               file=sys.stderr)
         return 1
+    for line in store.leftovers():  # files a killed writer left, which nothing reads: no damage
+        print(_printable(f"{PROG} verify: note: {args.store}: {line}"), file=sys.stderr)
     if store.status != "complete":  # its committed rows were checked: say they are not all of the capture
         print(f"{PROG} verify: note: {args.store} is {store.status} (its capture did not finish, or is running): "
               f"its {store.n_samples} committed samples were checked; `activationscope capture --resume` (or "

@@ -27,6 +27,7 @@ import mmap
 import shlex
 import operator
 import os
+import re
 import stat
 import sys
 import threading
@@ -3203,7 +3204,8 @@ class Store:
         document whose ``shape[0]`` is past ``n_rows`` (which this library reads) must not be
         past the rows its shards hold, nor, in a complete store, past ``n_rows`` at all: a
         plain Zarr reader reads the document's shape (fill values, zeros, where no row was
-        written).
+        written). Files a killed writer left that nothing reads are no problem: :meth:`leftovers`
+        names them.
 
         Returns
         -------
@@ -3398,6 +3400,41 @@ class Store:
                                         "(FORMAT.md section 6); a resume refuses the store until it is removed")
         self._check_same_store()  # the files read were the opened run's: another run's are no damage of it
         return problems
+
+    def leftovers(self) -> list[str]:
+        """Files a writer killed between two of its writes left behind, which no document lists
+        and no reader reads: harmless, not damage (:meth:`verify` does not count them). Such a
+        file is a manifest segment ``acts/<node>/manifest.<first>.json`` that the array's
+        manifest does not list (FORMAT.md section 5: a capture killed after writing a segment,
+        before the manifest that lists it); the next commit that seals that block of shards (a
+        resume's first commit) writes it again, byte for byte as it should be, and lists it.
+
+        Returns
+        -------
+        list of str
+            One line per file, naming it (its key) and why it is there; empty when there is
+            none. An array whose manifest cannot be read is left out (:meth:`verify` names it).
+        """
+        if self._ranks:  # an uncommitted multi-rank store: its rank stores hold every file
+            return [f"rank {rank} ({st.path}): {line}" for rank, st in self._ranks for line in st.leftovers()]
+        out: list[str] = []
+        for hp, meta in (self._attrs.get("arrays") or {}).items():
+            man_key = meta["manifest"]
+            folder = man_key.rpartition("/")[0]
+            try:
+                raw = self._backend.get(man_key, max_bytes=V.MAX_JSON_BYTES)
+                listed = set() if raw is None else {F.segment_key(man_key, e["first"]) for e in V.parse_manifest(
+                    V.loads_json(raw, store=self._backend, key=man_key), meta, store=self._backend, key=man_key,
+                    check_chunks=False).segments}
+                found = sorted(k for k in self._backend.list(f"{folder}/")
+                               if re.fullmatch(r"manifest\.\d+\.json", k[len(folder) + 1:]))
+            except StoreError:  # (a damaged manifest or folder: verify names it)
+                continue
+            out += [f"hook point {hp!r}: manifest segment {k} is listed by no manifest ({man_key} does not list "
+                    "it): a capture was killed after writing it, before the manifest that lists it; harmless "
+                    "(never read), the next commit that seals its shards (resuming the capture) writes it again "
+                    "and lists it" for k in found if k not in listed]
+        return out
 
     def _short_of_row_table(self, hp: str, n_rows: int, kind: str, table_rows: int, table: Any) -> list[str]:
         """verify: an array that follows its row table with fewer rows than the table (see

@@ -395,6 +395,44 @@ def test_a_capture_killed_then_resumed_ends_as_an_uninterrupted_one(tmp_path, re
 
 
 
+def test_a_segment_no_manifest_lists_is_a_leftover_that_the_resume_writes_again(tmp_path, reference, capsys):
+    """A capture killed after writing a segment, before the manifest that lists it: verify said
+    nothing of that file; it is named now as a harmless leftover (a note, not damage), and the
+    resume's sealing writes it again (whatever it holds) and lists it."""
+    import store_child
+    from activationscope import cli
+
+    path = tmp_path / "s.zarr"
+    proc = _child(str(path), "segkillseal", "12", "0.02")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    folder = path / "acts" / "fc1.output"
+    listed = {f"manifest.{e['first']}.json" for e in _index(path, "fc1.output").get("segments", [])}
+    left = sorted({p.name for p in folder.glob("manifest.*.json")} - listed - {"manifest.json"})
+    assert left
+    st = open_store(path)
+    assert st.verify() == []
+    lines = st.leftovers()
+    assert sorted(re.search(r"manifest segment acts/fc1\.output/(manifest\.\d+\.json) is listed by no manifest", l)[1]
+                  for l in lines if "'fc1.output'" in l) == left
+    assert all("harmless" in l for l in lines)
+    assert cli.main(["verify", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"verify: note: .*manifest segment acts/fc1\.output/{re.escape(left[0])} is listed by no "
+                     r"manifest .*harmless", err), err
+    for name in left:  # whatever the leftover holds, the resume's sealing replaces it
+        (folder / name).write_bytes(b"{}")
+    old = F.MANIFEST_SEGMENT_SHARDS
+    F.MANIFEST_SEGMENT_SHARDS = SEGMENT
+    try:
+        store_child.capture(str(path), 12)
+    finally:
+        F.MANIFEST_SEGMENT_SHARDS = old
+    st = open_store(path)
+    assert st.status == "complete" and st.verify() == [] and st.leftovers() == []
+    assert _files(path) == _files(reference)
+
+
 # ---------------------------------------------------------------- rank stores
 def test_a_commit_of_rank_stores_seals_the_merged_manifests(tmp_path, monkeypatch):
     """Rank stores seal their own manifests, the commit reads them and seals the merged ones;
