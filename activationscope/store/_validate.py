@@ -849,10 +849,12 @@ class Manifest(Mapping):
     """
 
     def __init__(self, tail: dict[int, dict], segments: list[dict], *, hook_point: Any, n_chunks: int, store: Any,
-                 key: str, check_chunks: bool, fetch: Callable[[str], Any] | None) -> None:
+                 key: str, check_chunks: bool, fetch: Callable[[str], Any] | None,
+                 root_hook_point: bool = False) -> None:
         self._tail, self.segments, self.key = tail, segments, key
         self._firsts = [e["first"] for e in segments]
         self._hook_point, self._n_chunks, self._store = hook_point, n_chunks, store
+        self._root_hook_point = root_hook_point  # (hook_point: the root's name of the array, not the index's)
         self._check_chunks, self._fetch = check_chunks, fetch
         self._loaded: dict[int, dict[int, dict]] = {}
 
@@ -930,7 +932,9 @@ class Manifest(Mapping):
         c.dict(doc, "(document)")
         for name, want in (("hook_point", self._hook_point), ("first", first), ("end", end)):
             if doc.get(name, ...) != want or type(doc.get(name)) is not type(want):  # (4.0 == 4, True == 1)
-                raise c.fail(name, f"{want!r} (what {listed} says)", doc.get(name, "no such field"))
+                said = ("the array's hook point (the root document zarr.json)" if name == "hook_point"
+                        and self._root_hook_point else f"what {listed} says")
+                raise c.fail(name, f"{want!r} ({said})", doc.get(name, "no such field"))
         shards = doc.get("shards")
         if not isinstance(shards, list) or len(shards) != end - first:
             raise c.fail("shards", f"a list of {end - first} records (shards {first}..{end - 1})",
@@ -947,13 +951,17 @@ class Manifest(Mapping):
 
 
 def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: bool = True,
-                   fetch: Callable[[str], Any] | None = None) -> Manifest:
+                   fetch: Callable[[str], Any] | None = None, hook_point: str | None = None) -> Manifest:
     """``{shard: record}`` of a manifest (FORMAT.md §5), each record checked against the array.
 
     The index is checked now (its records, and its segments: contiguous from shard 0, each of
     at least one shard, the records after the last one's ``end``); each segment when one of its
     shards is first looked up (:class:`Manifest`), read with ``fetch(key) -> bytes or None``
     (default: ``store.get`` up to 64 MiB).
+
+    ``hook_point``: the array's hook point (the root document's name for it), which each
+    segment's ``hook_point`` must be; None: the index's ``hook_point`` (a lie there is then
+    blamed on the segments; :func:`manifest_problems` names the index's own).
 
     ``check_chunks=False`` leaves each record's ``chunks`` list to :func:`check_chunk_entries`,
     called before that shard's entries are used (a large layer lists thousands of chunks, which
@@ -996,8 +1004,9 @@ def parse_manifest(doc: Any, meta: dict, *, store: Any, key: str, check_chunks: 
         if k in out:
             raise c.fail(f"{f}.shard", "unique", k)
         out[k] = rec
-    return Manifest(out, [dict(e) for e in segments], hook_point=doc.get("hook_point"), n_chunks=n_chunks,
-                    store=store, key=key, check_chunks=check_chunks, fetch=fetch)
+    return Manifest(out, [dict(e) for e in segments], n_chunks=n_chunks, store=store, key=key,
+                    hook_point=doc.get("hook_point") if hook_point is None else hook_point,
+                    root_hook_point=hook_point is not None, check_chunks=check_chunks, fetch=fetch)
 
 
 def check_chunk_entries(rec: dict, n_chunks: int, *, store: Any, key: str, field: str = "shards[]") -> list:

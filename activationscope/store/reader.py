@@ -1561,7 +1561,7 @@ class Store:
                     raise V.corrupt(self._backend, f"manifest {man_key} is missing, but {root}")
                 shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=man_key), meta,
                                           store=self._backend, key=man_key, check_chunks=False,
-                                          fetch=self._read_manifest_segment)
+                                          fetch=self._read_manifest_segment, hook_point=self._hook_point_of(meta))
                 rec = shards.get(last)
                 if rec is None:
                     raise V.corrupt(self._backend, f"manifest {man_key} lists no shard {last}, but {root}, which "
@@ -3487,7 +3487,9 @@ class Store:
             problems.append(f"hook point {hp!r}: manifest {meta['manifest']!r} is missing")
             return
         man_doc = V.loads_json(man_raw, store=self._backend, key=meta["manifest"])
-        shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"])
+        # (each segment's hook_point checked against the array's: a lie of the index's own is named by
+        # manifest_problems below, as the index's, not as its segments')
+        shards = V.parse_manifest(man_doc, meta, store=self._backend, key=meta["manifest"], hook_point=hp)
         shards.load_all()  # (every segment read and checked: a bad one is named as such)
         if raw is not None and doc_rows > n:
             problems += self._shape_problems(hp, meta, doc_key, doc_rows, shards)

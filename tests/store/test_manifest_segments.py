@@ -286,6 +286,28 @@ def test_verify_names_the_segment_that_holds_a_lying_record(segmented, lie, caps
     assert re.search(rf"manifest\.0\.json {message}", capsys.readouterr().err)
 
 
+def test_a_wrong_hook_point_in_the_index_is_named_in_the_index(segmented, capsys):
+    """manifest.json saying another hook point: verify blamed its segments (each checked against
+    the index's hook_point) and reads refused them; verify names manifest.json now, each segment
+    being checked against the array's hook point, and reads (which use no hook_point of a
+    manifest, as in a store without segments) read the rows."""
+    from activationscope import cli
+
+    path, data = segmented
+    index = _index(path)
+    index["hook_point"] = "9.output"
+    _write_index(path, index)
+    problems = open_store(path).verify()
+    assert len(problems) == 1, problems
+    assert re.search(r"manifest acts/0\.output/manifest\.json says hook_point '9\.output', but it is the manifest of "
+                     r"hook point '0\.output'", problems[0]), problems
+    assert "manifest.0.json" not in problems[0] and "manifest.2.json" not in problems[0]
+    assert torch.equal(open_store(path, verify=True)[HP], data)
+    assert cli.main(["verify", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "manifest.json says hook_point" in err and "manifest.0.json" not in err
+
+
 def test_a_segment_over_64_mib_is_refused_before_it_is_read(segmented, monkeypatch):
     path, _ = segmented
     meta, index = open_store(path)._meta(HP), _index(path)
