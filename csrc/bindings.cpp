@@ -65,6 +65,26 @@ class PyReduction : public Reduction {
     py::gil_scoped_acquire gil;
     return method("fresh")().cast<std::shared_ptr<Reduction>>();
   }
+  // A Python reduction may keep more than its state (the eager reduction's made_nonfinite
+  // flags): its own checkpoint() / restore_checkpoint() when it has them, else the default's.
+  void checkpoint() override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Reduction*>(this), "checkpoint");
+    if (f) {
+      f();
+      return;
+    }
+    Reduction::checkpoint();
+  }
+  void restore_checkpoint() override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Reduction*>(this), "restore_checkpoint");
+    if (f) {
+      f();
+      return;
+    }
+    Reduction::restore_checkpoint();
+  }
   std::string kind() const override {
     py::gil_scoped_acquire gil;
     return py::str(py::getattr(self(), "kind")).cast<std::string>();

@@ -206,11 +206,21 @@ def _log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Ten
     return acc
 
 
-@pytest.mark.parametrize("fn", [_log_sum, _log_sum_in_place], ids=["script", "in_place"])
+_EAGER_SCALE = 1.0  # a global Python float: TorchScript refuses it, so _log_sum_eager runs eagerly
+
+
+def _log_sum_eager(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().log().sum(0) * _EAGER_SCALE
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("fn", [_log_sum, _log_sum_in_place, _log_sum_eager], ids=["script", "in_place", "eager"])
 def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warning(tmp_path, fn):
     """The caught last forward that raised fed a 0 to a custom reduction's log (inf) before the
     error: that forward is taken out of the reductions, and so is what it made: the result is
-    finite and the close says nothing of NaN or inf (it did, naming a value the store does not hold)."""
+    finite and the close says nothing of NaN or inf (it did, naming a value the store does not hold),
+    and the reduction's made_nonfinite is False again (the eager reduction's stayed True: its
+    rollback put back its accumulator only)."""
     torch.manual_seed(0)
     model = _RaisesAfterTwo().eval()
     xs = [torch.rand(n, 3) + 0.5 for n in (4, 5, 6)]
@@ -222,13 +232,17 @@ def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warn
     xs[2][1, 0] = 0.0  # b.output of that row is 0 in its first column: log 0 = -inf
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=[fn]).track(model):
+        with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=[fn]).track(model) as tracker:
             model(xs[0])
             model(xs[1])
             model.error = RuntimeError
             with pytest.raises(RuntimeError, match="cut short"):
                 model(xs[2])
             model.error = None
+            red = tracker._reduction_objects["b.output"][0]
+            assert red.kind == ("eager" if fn is _log_sum_eager else "script")
+            assert red.made_nonfinite is True  # (the forward that raised made -inf, until the close takes it out)
+    assert red.made_nonfinite is False
     messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
     assert not [m for m in messages if m.startswith("custom reduction(s) whose result holds NaN or inf")], messages
     got = open_store(tmp_path / "s.zarr").reductions["b.output"][fn.__name__]

@@ -3058,6 +3058,38 @@ def test_made_nonfinite_tells_nan_or_inf_the_function_made_from_what_the_rows_or
     assert mean.made_nonfinite is False
 
 
+def log_sum_in_place_eager(acc, x):
+    s = x.double().log().sum(0) * _IN_PLACE_SCALE
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+@pytest.mark.parametrize("fn", [log_sum_eager, log_sum_in_place_eager], ids=["eager", "eager_in_place"])
+def test_made_nonfinite_of_an_eager_reduction_is_put_back_with_its_checkpoint(fn):
+    """``restore_checkpoint()`` of the eager reduction (what a capture calls to take a forward
+    out) put back its accumulator only: ``made_nonfinite`` stayed True for inf made by the
+    batch taken out. It puts back both now, as the TorchScript reduction does, and the
+    remembered accumulator is not changed by the batches after the checkpoint."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        red = R.make_reduction(fn)
+    assert isinstance(red, R.EagerReduction)
+    ones = torch.ones(2, 3)
+    red.update(ones)
+    red.update(ones)
+    red.checkpoint()
+    before = red.result()["value"].clone()
+    red.update(torch.tensor([[1.0, 0.0, 2.0]]))  # log 0: -inf of finite rows
+    assert red.made_nonfinite is True
+    red.restore_checkpoint()
+    assert red.made_nonfinite is False
+    assert torch.equal(red.result()["value"], before)
+    red.update(ones)
+    assert red.made_nonfinite is False and torch.equal(red.result()["value"], before)  # (log 1 = 0)
+
+
 def test_the_nonfinite_custom_reduction_warning_as_an_error_comes_after_the_store_is_complete(tmp_path):
     """Under an error filter the warning raises, once the store is committed whole: status
     complete, every row and the reduction's value (inf as the function made it) stored."""

@@ -346,6 +346,7 @@ class EagerReduction(_C.Reduction):
         self._made_nonfinite = False
         self._made_nonfinite_dev: Optional[torch.Tensor] = None
         self._acc_finite: Optional[torch.Tensor] = None
+        self._checkpoint: Optional[tuple] = None  # (checkpoint(): what restore_checkpoint() puts back)
 
     @property
     def options(self) -> dict[str, float]:
@@ -529,6 +530,24 @@ class EagerReduction(_C.Reduction):
         self._acc_from_state = acc is not None
         self._acc_shared = True
         self._rows_device = None  # (moved to the rows' device at the next update)
+
+    def checkpoint(self) -> None:
+        """Remember the accumulator as it is now, with what :attr:`made_nonfinite` knows of it
+        (replacing what was remembered before): a capture takes out of its reductions a forward
+        its store leaves out (:meth:`restore_checkpoint`). Called by the capture, with no update
+        running; the accumulator is kept, not copied (the next update works on a copy)."""
+        self._acc_shared = True
+        self._checkpoint = (self._acc, self._acc_from_state, self._rows_device, self._made_nonfinite,
+                            self._made_nonfinite_dev, self._acc_finite)
+
+    def restore_checkpoint(self) -> None:
+        """Put back what :meth:`checkpoint` remembered: the accumulator, and whether a batch
+        made NaN or inf of finite rows (NaN or inf made by the forwards taken out is taken out
+        with them, as the TorchScript reduction's). Before any checkpoint: an empty reduction."""
+        saved = self._checkpoint or (None, False, None, False, None, None)
+        (self._acc, self._acc_from_state, self._rows_device, self._made_nonfinite, self._made_nonfinite_dev,
+         self._acc_finite) = saved
+        self._acc_shared = True
 
     def fresh(self) -> "EagerReduction":
         """An empty reduction of the same function and options."""
