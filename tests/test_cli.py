@@ -1473,6 +1473,47 @@ def test_capture_into_an_in_memory_store_is_refused(tmp_path, toy_store, capsys)
     assert not fsspec.filesystem("memory").exists("/cli-run.zarr")
 
 
+GOLDEN = ROOT / "store" / "golden"
+
+
+@pytest.mark.parametrize("store, reason, layout", [
+    ("v1/mlp_f32.zarr", None, "layout:   no manifest segment; row-table parts: sample 1, token 0"),
+    ("v2/ranks.zarr", "committed from rank stores", "layout:   no manifest segment; row-table parts: sample 1, token 0"),
+    ("v3/reductions.zarr", "reductions only, no activation row",
+     "layout:   no manifest segment; row-table parts: sample 2"),
+    ("v4/segments.zarr", "manifest segments: a long array's full shard records sealed in blocks",
+     "layout:   5 manifest segments (fc.output 5); row-table parts: sample 5, token 0"),
+])
+def test_info_says_why_the_format_version_is_above_1_and_the_layout(capsys, store, reason, layout):
+    """The format version went from 1 to 4 partway through a long capture with nothing saying
+    why, and neither manifest segments nor row-table parts were shown: the status line gives
+    the reason after the version, one line the counts, and --json both."""
+    import json
+
+    version = int(store[1])
+    code, stdout, err = run(capsys, "info", str(GOLDEN / store))
+    assert code == 0, err
+    status = next(l for l in stdout.splitlines() if l.startswith("status:"))
+    assert status.endswith(f"format activationscope v{version}" + (f" ({reason})" if reason else ""))
+    assert [l for l in stdout.splitlines() if l.startswith("layout:")] == [layout]
+    code, stdout, err = run(capsys, "info", str(GOLDEN / store), "--json")
+    assert code == 0, err
+    info = json.loads(stdout)
+    assert info["format_reason"] == reason
+    assert {hp: a["n_manifest_segments"] for hp, a in info["arrays"].items()} == (
+        {"fc.output": 5} if version == 4 else {hp: 0 for hp in info["arrays"]})
+    parts = dict(re.findall(r"(\w+) (\d+)", layout.split("row-table parts: ")[1]))
+    assert info["row_table_parts"] == {k: int(n) for k, n in parts.items()}
+
+
+def test_info_layout_line_names_the_first_segmented_hook_points_and_counts_the_others():
+    arrays = {f"l.{i}.output": {"n_manifest_segments": i} for i in range(7)}
+    assert cli._layout_line(arrays, {"sample": 1200}) == (
+        "layout:   21 manifest segments (l.1.output 1, l.2.output 2, l.3.output 3, l.4.output 4, and 2 more hook "
+        "points); row-table parts: sample 1,200")
+    assert cli._layout_line({}, {}) == ""
+
+
 def test_info_of_an_incomplete_store_without_samples_lists_its_arrays(tmp_path, capsys):
     import activationscope as acs
 

@@ -1017,6 +1017,8 @@ def format_info(info: dict[str, Any], name: str) -> str:
         fmt_s = f"{fmt['name']} v{fmt.get('version', '?')}"
     else:
         fmt_s = _flat(fmt) if fmt else "?"
+    if info.get("format_reason"):  # (why a version above 1: FORMAT.md section 8)
+        fmt_s += f" ({info['format_reason']})"
     lines = [
         f"store:    {info.get('path') or name}",
         f"status:   {info.get('status', '?')}, {info.get('n_samples', '?')} samples, format {fmt_s}",
@@ -1109,6 +1111,9 @@ def format_info(info: dict[str, Any], name: str) -> str:
         lines.append("rows:     " + ", ".join(
             f"{k} table {v:,} rows" + (f" ({', '.join(map(str, columns[k]))})" if columns.get(k) else "")
             for k, v in tables.items()))
+    layout = _layout_line(arrays, info.get("row_table_parts") or {})
+    if layout:
+        lines.append(layout)
     if info.get("provenance"):
         lines.append(f"provenance: {_flat(info['provenance'])}")
     if info.get("library"):
@@ -1116,6 +1121,30 @@ def format_info(info: dict[str, Any], name: str) -> str:
     # every value comes from the store, written by someone else: a control character
     # (a terminal escape, a carriage return, a newline) is shown escaped, never sent as is
     return "\n".join(_printable(line) for line in lines)
+
+
+#: Most hook points whose manifest segments the ``layout:`` line of ``info`` names one by one.
+_MAX_SEGMENTED_SHOWN = 4
+
+
+def _layout_line(arrays: Mapping[str, Any], parts: Mapping[str, Any]) -> str:
+    """The ``layout:`` line of ``info``: the manifest segments of the arrays that have some
+    (FORMAT.md section 5; the first few by name, then how many more) and the Parquet parts of
+    each row table (section 4); empty when the store has neither arrays nor row tables."""
+    if not arrays and not parts:
+        return ""
+    segmented = [(hp, int(a.get("n_manifest_segments") or 0)) for hp, a in arrays.items()
+                 if a.get("n_manifest_segments")]
+    if segmented:
+        shown = ", ".join(f"{_shown_name(hp)} {n}" for hp, n in segmented[:_MAX_SEGMENTED_SHOWN])
+        more = len(segmented) - _MAX_SEGMENTED_SHOWN
+        total = sum(n for _, n in segmented)
+        segments = (f"{total:,} manifest segment{'' if total == 1 else 's'} ({shown}"
+                    + (f", and {more} more hook points" if more > 0 else "") + ")")
+    else:
+        segments = "no manifest segment"
+    tables = ", ".join(f"{k} {int(n):,}" for k, n in parts.items())
+    return f"layout:   {segments}" + (f"; row-table parts: {tables}" if tables else "")
 
 
 #: Most rank stores listed one per line by ``info``.

@@ -3646,7 +3646,13 @@ class Store:
         size) and the shard index, so a small uncompressed store shows well below 1; only
         for arrays much larger than a chunk does it approach the codec's compression ratio.
         ``row_tables`` gives the rows of each row table, ``row_table_columns`` its columns
-        (``["sample_id", "pos", "batch", "token_ids"]`` for the token rows of a text capture).
+        (``["sample_id", "pos", "batch", "token_ids"]`` for the token rows of a text capture),
+        ``row_table_parts`` the number of Parquet parts it is split into (FORMAT.md section 4).
+        Each array's ``n_manifest_segments`` is the number of manifest segments holding the
+        records of its committed shards (FORMAT.md section 5: one per 1024 full shards), taken
+        from its manifest's index (no segment is read for it). ``format_reason`` says why
+        ``format.version`` is above 1 (FORMAT.md section 8: 2, a multi-rank capture, committed
+        from rank stores; 3, reductions only; 4, manifest segments), None at version 1.
         ``rows_stored`` is False for a store that keeps reductions only (FORMAT.md section 11):
         it then has no ``arrays``, and ``reduced`` gives each reduced hook point's
         ``row_kind``, ``feature_shape``, ``dtype`` and ``n_rows`` (rows reduced).
@@ -3676,6 +3682,7 @@ class Store:
         """
         arrays = {}
         total_raw = total_disk = 0
+        any_segments = False
         for hp in list(self._attrs.get("arrays", {})):  # aliases are listed apart: no bytes of their own
             meta = self._meta(hp)
             # checked against its own files (once: rules 16-17), which parses its manifest; that
@@ -3684,9 +3691,11 @@ class Store:
             n = int(meta["n_rows"])
             feat = tuple(meta["feature_shape"])
             raw_bytes = n * V.row_bytes(meta)
-            disk = 0
+            disk = n_segments = 0
             for _, st, _first in self._parts.get(hp, []):
-                disk += int(st.info()["arrays"][hp]["bytes_on_disk"])
+                part = st.info()["arrays"][hp]
+                disk += int(part["bytes_on_disk"])
+                n_segments += int(part["n_manifest_segments"])
             shards = None
             if crcs is not None and n:
                 shards = crcs.shards
@@ -3702,6 +3711,8 @@ class Store:
                     shards = V.parse_manifest(V.loads_json(man, store=self._backend, key=meta["manifest"]), meta,
                                               store=self._backend, key=meta["manifest"])
             if shards is not None:
+                # (from the index: no segment read; those of committed rows only, as the shards sized)
+                n_segments = sum(1 for e in shards.segments if int(e["first"]) * int(meta["shard_rows"]) < n)
                 local = isinstance(self._backend, LocalBackend)
                 for k in shards:  # (the shard numbers: no segment read, FORMAT.md section 5)
                     if k * int(meta["shard_rows"]) >= n:
@@ -3726,7 +3737,9 @@ class Store:
                 "compression": (meta.get("compression") or {}).get("name"),
                 "data_to_disk_ratio": (raw_bytes / disk) if disk else None,
                 "follows_row_table": meta.get("follows_row_table", True),
+                "n_manifest_segments": n_segments,
             }
+            any_segments = any_segments or n_segments > 0
         # rank stores under ranks/ that consolidate would commit (a capture again of this store, or
         # this uncommitted store's own capture), read as the commit reads them
         # (what cannot be read there is shown, never an info that fails: the store's own rows read as above)
@@ -3747,6 +3760,7 @@ class Store:
         return {
             "path": str(self._backend),
             "format": self._attrs.get("format"),
+            "format_reason": self._format_reason(any_segments),
             "status": self.status,
             "n_samples": self.n_samples,
             # (False: a store that keeps reductions only, whose reduced hook points are in "reduced")
@@ -3769,11 +3783,36 @@ class Store:
             # (the columns each row table has: a text capture's token_ids, labels, ...)
             "row_table_columns": {k: list(v.get("columns") or [])
                                   for k, v in (self._attrs.get("row_tables") or {}).items()},
+            # (the Parquet parts each row table is split into: FORMAT.md section 4)
+            "row_table_parts": {k: len(v.get("parts") or [])
+                                for k, v in (self._attrs.get("row_tables") or {}).items()},
             "model": self._attrs.get("model"),
             "provenance": self._attrs.get("provenance"),
             "library": self._attrs.get("library"),
             "created": self._attrs.get("created"),
         }
+
+    def _format_reason(self, segments: bool) -> str | None:
+        """Why the store's format version is above 1 (FORMAT.md section 8), or None at version 1.
+
+        ``segments``: whether an array's manifest lists segments (read from the indexes only)."""
+        fmt = self._attrs.get("format")
+        version = fmt.get("version") if isinstance(fmt, dict) else None
+        if version == 1 or not isinstance(version, int) or isinstance(version, bool):
+            return None
+        ranks = None
+        if isinstance(self._attrs.get("distributed"), dict):
+            ranks = ("a multi-rank capture, its rank stores not committed yet" if self._ranks
+                     else "committed from rank stores")
+        if version == 2:
+            return ranks or "a multi-rank capture"
+        if version == 3:
+            return "reductions only, no activation row"
+        if version == 4:
+            why = ("manifest segments: a long array's full shard records sealed in blocks" if segments else
+                   "manifest segments, none listed for the committed rows")
+            return f"{why}; {ranks}" if ranks else why
+        return None
 
     # ------------------------------------------------------------------ copies
     def save(self, target: Any, *, overwrite: bool = False, storage_options: dict | None = None) -> "Store":

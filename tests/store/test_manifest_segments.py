@@ -550,6 +550,9 @@ def test_info_sizes_a_local_store_without_reading_its_segments(segmented, monkey
     files = sum(p.stat().st_size for p in (path / "acts" / HP / "c").rglob("*") if p.is_file())
     info = open_store(path).info()
     assert info["arrays"][HP]["bytes_on_disk"] == info["bytes_on_disk"] == files
+    # counted from the manifest's index, as the format version's reason says
+    assert info["arrays"][HP]["n_manifest_segments"] == 2
+    assert info["format_reason"] == "manifest segments: a long array's full shard records sealed in blocks"
     assert loads == []
     url = f"memory://acs-segments/{os.getpid()}-{random.getrandbits(32):08x}.zarr"
     copy_store(str(path), url)
