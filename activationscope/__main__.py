@@ -5,7 +5,7 @@ import sys
 
 #: the commands of :mod:`activationscope.cli` (its ``_COMMANDS``), named in the line printed for
 #: a Ctrl-C while it is imported
-COMMANDS = ("demo", "capture", "info", "verify", "consolidate", "export", "report")
+COMMANDS = ("demo", "capture", "info", "verify", "consolidate", "copy", "export", "report")
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ def run(capsys, *argv):
 def test_help_lists_every_subcommand(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for cmd in ("demo", "capture", "info", "verify", "export", "report"):
+    for cmd in ("demo", "capture", "info", "verify", "copy", "export", "report"):
         assert cmd in out
 
 
@@ -1529,6 +1529,97 @@ def test_info_of_an_incomplete_store_without_samples_lists_its_arrays(tmp_path, 
     lines = {l.split()[0]: l for l in stdout.splitlines() if l.split() and l.split()[0].endswith(".output")}
     assert set(lines) == {"0.output", "1.output"} and "(4,)" in lines["0.output"]
     assert "no samples committed yet" in stdout and "--shard-bytes" in stdout
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_copy_copies_a_store_and_replaces_one_with_overwrite_only(tmp_path, toy_store, capsys):
+    import activationscope as acs
+
+    out, _ = toy_store
+    before = _files(out)
+    target = tmp_path / "shared" / "copy.zarr"
+    code, stdout, err = run(capsys, "copy", str(out), str(target))
+    assert code == 0 and err == "", err
+    assert stdout == f"copied {out} to {target} (complete, 50 samples, 3 hook points)\n"
+    a, b = acs.open_store(str(out)), acs.open_store(str(target))
+    assert a.hook_points == b.hook_points and all(torch.equal(a[hp], b[hp]) for hp in a.hook_points)
+    assert b.row_table("sample") == a.row_table("sample") and b.verify() == []
+    assert _files(out) == before  # (the source as it was)
+    kept = _files(target)
+    code, stdout, err = run(capsys, "copy", str(out), str(target))  # a store there: refused, kept
+    assert code == 1 and stdout == ""
+    _one_error_line(err, f"activationscope copy: error: {str(target)!r} is not empty; pass --overwrite to replace it")
+    assert _files(target) == kept
+    code, stdout, err = run(capsys, "copy", str(out), str(target), "--overwrite")
+    assert code == 0, err
+    assert _files(target) == kept
+
+
+@pytest.mark.parametrize("case", ["missing source", "folder", "memory target", "memory source", "inside source",
+                                  "onto itself"])
+def test_copy_refusals_are_one_line_and_change_nothing(tmp_path, toy_store, capsys, case):
+    out, _ = toy_store
+    before = _files(out)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    source, target, extra, needle = {
+        "missing source": (tmp_path / "nope.zarr", tmp_path / "c.zarr", [], "store '{s}' does not exist"),
+        "folder": (out, tmp_path / "mine", ["--overwrite"], "holds no Zarr store; choose another path or remove it "
+                                                             "(--overwrite only replaces stores); nothing was changed"),
+        "memory target": (out, "memory://copy.zarr", [], "target 'memory://copy.zarr' is an in-memory store"),
+        "memory source": ("memory://copy.zarr", tmp_path / "c.zarr", [], "source 'memory://copy.zarr' is an in-memory"),
+        "inside source": (out, out / "acts" / "c.zarr", [], "a store cannot be written inside another store"),
+        "onto itself": (out, out, ["--overwrite"], "that is the store itself"),
+    }[case]
+    code, stdout, err = run(capsys, "copy", str(source), str(target), *extra)
+    assert code == 1 and stdout == ""
+    _one_error_line(err, "activationscope copy: error: ", needle.format(s=source))
+    assert _files(out) == before
+    assert _files(tmp_path / "mine") == {"notes.txt": b"keep"}
+    assert not (tmp_path / "c.zarr").exists() and not (out / "acts" / "c.zarr").exists()
+
+
+def test_copy_of_an_incomplete_store_says_so_and_copies_its_committed_rows(tmp_path, capsys):
+    import activationscope as acs
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    out, target = tmp_path / "inc.zarr", tmp_path / "copy.zarr"
+    with acs.ActivationScope(store=str(out)).track(model):
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        n = acs.open_store(str(out)).n_samples
+        code, stdout, err = run(capsys, "copy", str(out), str(target))  # as a capture killed now would leave it
+    assert code == 0, err
+    _one_error_line(err, f"activationscope copy: note: {out} is incomplete", f"copying its {n} committed samples")
+    assert stdout == f"copied {out} to {target} (incomplete, {n} samples, 2 hook points)\n"
+
+
+def test_copy_to_s3_and_back(s3, tmp_path, toy_store, capsys, monkeypatch):
+    import uuid
+
+    import activationscope as acs
+
+    s3fs = pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3["client_kwargs"]["endpoint_url"])
+    s3fs.S3FileSystem.clear_instance_cache()
+    out, _ = toy_store
+    url = f"s3://acs-bucket/copy-{uuid.uuid4().hex}.zarr"
+    code, stdout, err = run(capsys, "copy", str(out), url)
+    assert code == 0, err
+    assert stdout == f"copied {out} to {url} (complete, 50 samples, 3 hook points)\n"
+    code, _, err = run(capsys, "copy", str(out), url)
+    assert code == 1
+    _one_error_line(err, "is not empty; pass --overwrite to replace it")
+    back = tmp_path / "back.zarr"
+    code, _, err = run(capsys, "copy", url, str(back))
+    assert code == 0, err
+    assert _files(back) == _files(out)
+    assert acs.open_store(url, storage_options=s3).verify() == []
 
 
 def test_export_parquet_and_arrow(tmp_path, toy_store, capsys):

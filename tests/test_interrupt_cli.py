@@ -140,6 +140,47 @@ def test_ctrl_c_in_cli_consolidate(tmp_path, capsys):
     _sweep(capsys, ["consolidate", path], before, after, most=20)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_ctrl_c_in_cli_copy(tmp_path, toy, capsys, overwrite):
+    # the source as it was; the target absent, the store it held (with --overwrite), or an incomplete
+    # store listing no row, which the command again with --overwrite completes
+    from activationscope.store._backend import LOCK_KEY, resolve
+    from activationscope.store._lock import writer_holding
+
+    def _unlocked(tree):
+        return {k: v for k, v in tree.items() if k != LOCK_KEY}
+
+    _, ref = toy
+    want = _tree(ref)
+    out = tmp_path / "copy.zarr"
+    old = tmp_path / "old.zarr"
+    argv = ["copy", ref, out] + (["--overwrite"] if overwrite else [])
+    if overwrite:  # a store of other rows there, replaced
+        assert _run(capsys, "copy", ref, old)[0] == 0
+        with open(old / "zarr.json", "r+b") as f:
+            doc = f.read().replace(b'"status": "complete"', b'"status": "incomplete"', 1)
+            f.seek(0), f.truncate(), f.write(doc)
+        assert acs.open_store(old).status == "incomplete"
+    kept = _tree(old) if overwrite else None
+
+    def before():
+        shutil.rmtree(out, ignore_errors=True)
+        if overwrite:
+            shutil.copytree(old, out)
+
+    def after(where):
+        assert _tree(ref) == want, where
+        if out.exists():  # (an empty lock file left by the interrupted release is no lock: nothing holds it)
+            assert writer_holding(resolve(str(out))) is None, where
+            got = _unlocked(_tree(out))
+            assert got in (_unlocked(want), _unlocked(kept or {}), {}) or acs.open_store(out).n_samples == 0, where
+        code, err = _run(capsys, "copy", ref, out, *(["--overwrite"] if out.exists() else []))
+        assert code == 0, (where, err)
+        assert _unlocked(_tree(out)) == _unlocked(want), where
+
+    _sweep(capsys, argv, before, after, most=30)
+
+
 def test_ctrl_c_in_cli_export(tmp_path, toy, capsys):
     _, ref = toy
     out = tmp_path / "rows.parquet"

@@ -10,6 +10,7 @@ Subcommands::
                             [--compression NAME]
     activationscope report  STORE --out DIR [--hook-points HP ...]
     activationscope consolidate STORE [--world-size N]
+    activationscope copy    SOURCE TARGET [--overwrite]
 
 Errors (bad paths, unreadable data, unknown hook points, failing model imports) print one
 line on stderr and exit with status 1 (2 for a wrong command line); ``--debug`` shows the
@@ -282,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_positive, default=None,
                    help="expected number of rank stores; must agree with the number the capture recorded")
 
+    p = sub.add_parser("copy", parents=[common], help="copy a store (to share it: a folder, s3://...)",
+                       description="Copy every committed object of a store to another path or URL, its root "
+                                   "document last (activationscope.copy_store); the source is not changed.")
+    p.add_argument("source", help="store path or URL")
+    p.add_argument("target", help="path or URL of the copy (new, or an existing store with --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a store at TARGET (never a folder of other files, nor a store being written)")
+
     p = sub.add_parser("export", parents=[common], help="export rows to Parquet, Arrow or Hugging Face datasets",
                        description="Export a store's rows (activations plus row table) to a Parquet or Arrow IPC "
                                    "file, or a Hugging Face datasets folder (--format hf).")
@@ -541,7 +550,7 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
                      lambda m: (f"--include {_pattern_list(m.group(1))}" if include_given else
                                 f"the modules tracked by default ({_pattern_list(m.group(1))}; no --include given)")
                                + f" and --exclude {_pattern_list(m.group(2))} leave no module", message)
-    if command in ("capture", "export"):  # the commands with an --overwrite flag
+    if command in ("capture", "export", "copy"):  # the commands with an --overwrite flag
         for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)"):
             message = message.replace(python, "--overwrite")
         # (not inside a Python call the message names: "StoreWriter(..., overwrite=True)", "store_options
@@ -628,7 +637,7 @@ def _token_rows_flags(message: str) -> str:
 
 #: Arguments that name local paths (stores, outputs, data files, model folders): a leading
 #: ``~`` is expanded in them, also where the shell leaves it (``--out=~/runs/x``, quoted).
-_PATH_ARGS = ("store", "out", "report", "data", "model", "labels")
+_PATH_ARGS = ("store", "source", "target", "out", "report", "data", "model", "labels")
 
 
 def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -638,7 +647,7 @@ def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespac
     for name in _PATH_ARGS:
         value = getattr(args, name, None)
         if isinstance(value, str) and not value.strip():
-            flag = name if name == "store" else f"--{name}"
+            flag = name if name in ("store", "source", "target") else f"--{name}"
             fix = ("give 'demo', a Hugging Face model folder or package.module:factory" if name == "model" else
                    "give 'demo' or a data file" if name == "data" else
                    "give a label file, or leave --labels out" if name == "labels" else "give a path (. for the current folder)")
@@ -812,6 +821,26 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     replaced = ", replacing the store it held" if summary.get("replaced") else ""
     print(f"{args.store}: committed {summary['n_ranks']} rank stores, {summary['n_samples']} samples, "
           f"{len(summary['arrays'])} hook points ({copied} bytes of tail rows re-chunked){replaced}")
+    return 0
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    from ..store import copy_store
+
+    for what, path in (("source", args.source), ("target", args.target)):
+        if str(path).startswith("memory://"):  # (nothing there in a new process; nothing kept after it)
+            raise CLIError(f"{what} {path!r} is an in-memory store, which lives in one process only: this command's "
+                           "is new and is gone when it ends; nothing was copied. Give a folder or an object store URL "
+                           "(s3://...), or call activationscope.copy_store from Python to use one")
+    store = _open(args.source)
+    if store.status != "complete":  # its committed rows are copied: say they are not all of the capture
+        print(f"{PROG} copy: note: {args.source} is {store.status} (its capture did not finish, or is running): "
+              f"copying its {store.n_samples} committed samples", file=sys.stderr)
+    copy_store(store, args.target, overwrite=args.overwrite)
+    copied = _open(args.target)
+    n = len(copied.hook_points)
+    print(f"copied {args.source} to {args.target} ({copied.status}, {copied.n_samples} samples, "
+          f"{n} hook point{'' if n == 1 else 's'})")
     return 0
 
 
@@ -1250,6 +1279,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "info": cmd_info,
     "verify": cmd_verify,
     "consolidate": cmd_consolidate,
+    "copy": cmd_copy,
     "export": cmd_export,
     "report": cmd_report,
 }
