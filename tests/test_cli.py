@@ -1506,6 +1506,24 @@ def test_info_says_why_the_format_version_is_above_1_and_the_layout(capsys, stor
     assert info["row_table_parts"] == {k: int(n) for k, n in parts.items()}
 
 
+def test_info_says_a_version_2_store_of_uncommitted_rank_stores_is_not_committed(tmp_path, capsys):
+    import activationscope as acs
+
+    path = tmp_path / "ranks.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    for rank in range(2):
+        scope = acs.ActivationScope(store=str(path), store_options={"process_group": acs.RankStore(rank, 2)})
+        with scope.track(model), torch.no_grad():
+            model(torch.randn(2, 4))
+    code, stdout, err = run(capsys, "info", str(path))
+    assert code == 0, err
+    assert "format activationscope v2 (a multi-rank capture, its rank stores not committed yet)" in stdout
+    assert run(capsys, "consolidate", str(path))[0] == 0
+    code, stdout, err = run(capsys, "info", str(path))
+    assert code == 0, err
+    assert "format activationscope v2 (committed from rank stores)" in stdout
+
+
 def test_info_layout_line_names_the_first_segmented_hook_points_and_counts_the_others():
     arrays = {f"l.{i}.output": {"n_manifest_segments": i} for i in range(7)}
     assert cli._layout_line(arrays, {"sample": 1200}) == (
