@@ -5,6 +5,10 @@ library's own code, for every k (``acs_testing.InterruptAt``)."""
 
 from __future__ import annotations
 
+import linecache
+import sys
+import warnings
+
 import pytest
 import torch
 
@@ -87,3 +91,115 @@ def test_ctrl_c_in_a_store_capture_then_the_cell_again(tmp_path):
             assert torch.equal(store[hook_point], rows), where.where
         assert store.row_table("sample")["sample_id"].to_pylist() == list(range(6)), where.where
 
+
+
+def _store_cell(model, xs, path, **options):
+    scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0))
+    with torch.no_grad(), scope.track(model) as tracker:
+        for x in xs[tracker.resume_from // 2:]:
+            model(x)
+
+
+def _interrupt_once(monkeypatch, owner, name, when):
+    """Make ``owner.name`` raise KeyboardInterrupt the first time ``when(*args)`` holds."""
+    real = getattr(owner, name)
+    fired = []
+
+    def patched(*args, **kwargs):
+        if not fired and when(*args):
+            fired.append(True)
+            raise KeyboardInterrupt(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, patched)
+    return fired
+
+
+def test_ctrl_c_as_the_spare_file_thread_starts_leaves_no_store(tmp_path, monkeypatch):
+    # a Ctrl-C after the store's background thread (spare temporary files) was made and before it
+    # started: the close joined a thread never started (RuntimeError), so the commit failed and the
+    # new store, holding no row, stayed behind with its lock, and the cell run again was refused
+    import threading
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    path = tmp_path / "s.zarr"
+    fired = _interrupt_once(monkeypatch, threading.Thread, "start", lambda t: t.name == "activationscope-reserve")
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no "could not be fully committed")
+        _store_cell(model, xs, path)
+    monkeypatch.undo()
+    assert fired and not (path / "zarr.json").exists()
+    _store_cell(model, xs, path)
+    assert acs.open_store(path).status == "complete" and acs.open_store(path).n_samples == 6
+
+
+class _InterruptInFunction:
+    """Raise KeyboardInterrupt at the ``at``-th line run in the functions named ``names`` of
+    ``module_file`` (their own lines, not those of what they call); ``n``: lines counted."""
+
+    def __init__(self, module_file: str, names: tuple, at: int | None) -> None:
+        self.file, self.names, self.at, self.n = module_file, names, at, 0
+
+    def __enter__(self):
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        code = frame.f_code
+        return self._line if code.co_name in self.names and code.co_filename == self.file else None
+
+    def _line(self, frame, event, arg):
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+        if event == "line" and not line.startswith(("with ", "try:")):
+            self.n += 1
+            if self.n == self.at:
+                raise KeyboardInterrupt(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        return self._line
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
+def test_ctrl_c_at_each_line_of_the_writer_close_then_the_cell_again(tmp_path, stop):
+    # a Ctrl-C at each line of StoreWriter.close (the cell's loop ended, or raised), the cell then run again as after any
+    # Ctrl-C: with resume=True where rows were committed, as it is where none were. A Ctrl-C
+    # between marking the writer closed and its try left the new store (no row, status
+    # incomplete, the abort that followed doing nothing as the writer was closed) and the
+    # cell run again was refused as an existing store
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+
+    def cell(path, stop=None, **options):
+        scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0))
+        with torch.no_grad(), scope.track(model) as tracker:
+            for x in xs[tracker.resume_from // 2:]:
+                model(x)
+                if stop is not None:
+                    raise KeyboardInterrupt("in the loop")  # (so that the writer aborts)
+
+    counted = _InterruptInFunction(W.__file__, ("close",), None)
+    with warnings.catch_warnings(), counted, pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        cell(tmp_path / "counted.zarr", stop=stop or None)
+        raise KeyboardInterrupt("(close ran)")
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        path = tmp_path / f"{k}.zarr"
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore")
+            with _InterruptInFunction(W.__file__, ("close",), k):
+                cell(path, stop=stop or None)
+            raise KeyboardInterrupt("(not interrupted)")
+        n = acs.open_store(path).n_samples if (path / "zarr.json").exists() else 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cell(path, resume=True) if n else cell(path)
+        store = acs.open_store(path)
+        assert store.status == "complete", k
+        assert torch.equal(store["1.output"], want), k

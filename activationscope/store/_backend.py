@@ -318,7 +318,8 @@ class LocalBackend:
         self._releasing = True
         if self._spare_thread is not None:
             self._spare_queue.put(None)
-            self._spare_thread.join()
+            if self._spare_thread.ident is not None:  # (not a thread whose start a Ctrl-C cut off)
+                self._spare_thread.join()
             self._spare_thread = None
         with self._spare_lock:
             spare, self._spare = self._spare, {}

@@ -4533,8 +4533,8 @@ class StoreWriter:
                 return
             if self._closed:
                 return
-            self._closed = True
             clean = False
+            self._closed = True  # (the last line before the try: a Ctrl-C before it leaves the close to abort)
             try:
                 # the rows in the chunk buffers go to shards only while the store at the path is still
                 # this writer's (the chunks queued before are written first): one moved, removed,
@@ -4583,8 +4583,8 @@ class StoreWriter:
                 return
             if self._closed:
                 return
-            self._closed = True
             self._failing = True
+            self._closed = True  # (the last line before the try)
             try:
                 self._core.drain()
                 self._stop_threads()
@@ -4616,8 +4616,8 @@ class StoreWriter:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             empty: list[Path] = []
+            self._closed = True  # (the last line before the try)
             try:
                 self._stop_threads()
                 self._check_still_held()  # (the store there now is not the one found: left as it is)
