@@ -1066,7 +1066,9 @@ class StoreWriter:
     storage_dtype : torch.dtype or None
         Cast of the stored rows (informational here; the sink casts).
     overwrite : bool, default False
-        Replace an existing store at ``target``.
+        Replace an existing store at ``target``. A local one is moved aside and deleted once
+        the new store has committed a forward, in the background: :meth:`close` waits for
+        that delete (FORMAT.md section 7).
     resume : bool, default False
         Continue an existing store: every array is truncated to the committed samples,
         :attr:`n_samples_committed` says how many sample rows it holds and
@@ -4650,8 +4652,10 @@ class StoreWriter:
                 try:
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
                         self._settle_aside(keep_new=False)
-                    self._finish_delete()
-                    self._cleanup(remove_if_empty=self._unrecorded_folders())
+                    try:
+                        self._finish_delete()  # (a warning made an error must not keep the lock)
+                    finally:
+                        self._cleanup(remove_if_empty=self._unrecorded_folders())
                 except BaseException:  # noqa: BLE001
                     pass
 

@@ -653,3 +653,32 @@ def test_a_process_killed_while_it_deletes_the_old_store_leaves_the_new_store_co
                                             r"delete it"):
         StoreWriter(path, resume=True).close()
     assert open_store(path).status == "complete"
+
+
+def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock(tmp_path, monkeypatch):
+    """The capture fails after the first commit, warnings are errors, and part of the old store
+    cannot be deleted: the abort waits for the delete, and the warning it makes (swallowed, so
+    that the capture's error stays the one raised) does not keep the writer lock."""
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    rmtree = shutil.rmtree
+
+    def refused(p, *args, ignore_errors=False, **kwargs):
+        if ".replaced-" not in Path(p).name:
+            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused)
+    w, rows = _overwrite_writer(path)
+    assert w.commit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.abort(RuntimeError("stop"))
+    assert not w._writer_lock._held  # (released: the next writer is not refused)
+    (aside,) = _asides(tmp_path)
+    assert sorted(q.name for q in aside.iterdir()) == ["acts", "reductions", "rows"]
+    s = open_store(path)
+    assert s.status == "incomplete" and torch.equal(s["new.output"], rows)
