@@ -1007,6 +1007,49 @@ def _import_row_table_writer() -> None:
 AFTER_FAILURE = ("rows committed before the failure stay readable (open_store), and resume=True continues from "
                  "them once the cause is fixed")
 
+def _delete_aside(aside: Path) -> OSError | None:
+    """Delete the folder an ``overwrite=True`` moved the old store into (its root document
+    already gone); return the error that kept part of it there, None once it is gone."""
+    shutil.rmtree(aside, ignore_errors=True)
+    if os.path.lexists(aside):  # (a folder of it this process may not write in): once more, to say why
+        try:
+            shutil.rmtree(aside)
+        except OSError as e:
+            return e
+    return None
+
+
+class _AsideDelete:
+    """The delete of an old store an ``overwrite=True`` replaced, on a daemon thread: a store of
+    thousands of shard files takes seconds to delete, which the commit that settles it (in the
+    capture's forwards) would otherwise wait for. :meth:`finish` waits for it and says what it
+    could not delete."""
+
+    def __init__(self, aside: Path) -> None:
+        self.aside = aside
+        self.error: BaseException | None = None
+        delete = _delete_aside  # (looked up now: the one in use when the delete starts)
+
+        def run() -> None:
+            try:
+                self.error = delete(aside)
+            except BaseException as e:  # noqa: BLE001 - kept for finish(), never raised in this thread
+                self.error = e
+
+        self._thread = threading.Thread(target=run, name="activationscope-delete-replaced", daemon=True)
+        self._thread.start()
+
+    def finish(self, store: str) -> None:
+        """Wait for the delete (as long as the files left take to delete); warn (``RuntimeWarning``,
+        naming the folder and the fix) when part of the folder could not be deleted."""
+        self._thread.join()
+        if self.error is not None:
+            warn_at_caller(
+                f"store {store!r}: the new store has committed, but deleting the old one it replaced from "
+                f"{str(self.aside)!r} failed ({self.error}); that folder holds no store any more: delete it "
+                f"(rm -rf {str(self.aside)!r}, with the permission it needs)", RuntimeWarning)
+
+
 class StoreWriter:
     """Writes one capture run into a store (local path, fsspec URL or zarr Store).
 
@@ -1023,7 +1066,9 @@ class StoreWriter:
     storage_dtype : torch.dtype or None
         Cast of the stored rows (informational here; the sink casts).
     overwrite : bool, default False
-        Replace an existing store at ``target``.
+        Replace an existing store at ``target``. A local one is moved aside and deleted once
+        the new store has committed a forward, in the background: :meth:`close` waits for
+        that delete (FORMAT.md section 7).
     resume : bool, default False
         Continue an existing store: every array is truncated to the committed samples,
         :attr:`n_samples_committed` says how many sample rows it holds and
@@ -1227,6 +1272,7 @@ class StoreWriter:
                 self._backend.make_root = False
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
+            self._deleting: _AsideDelete | None = None  # overwrite: its delete, once the new one committed
             self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
             self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
             try:
@@ -3537,15 +3583,8 @@ class StoreWriter:
                 (aside / "zarr.json").unlink()
             except OSError:
                 pass
-            shutil.rmtree(aside, ignore_errors=True)
-            if os.path.lexists(aside):  # (a folder of it this process may not write in): once more, to say why
-                try:
-                    shutil.rmtree(aside)
-                except OSError as e:
-                    warn_at_caller(
-                        f"store {str(self._backend)!r}: the new store has committed, but deleting the old one it "
-                        f"replaced from {str(aside)!r} failed ({e}); that folder holds no store any more: delete it "
-                        "(with the permission it needs)", RuntimeWarning)
+            # the rest off this thread: the commit returns at once; close() and abort() wait for it
+            self._deleting = _AsideDelete(aside)
         else:
             try:
                 self._backend.restore_aside(aside)
@@ -3554,6 +3593,14 @@ class StoreWriter:
                 warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
                                f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
                                "back by hand", RuntimeWarning)
+
+    def _finish_delete(self) -> None:
+        """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
+        replaced, started by the commit that settled it (:class:`_AsideDelete`), so that a closed
+        writer leaves no ``.<name>.replaced-<hex>`` folder."""
+        deleting, self._deleting = self._deleting, None
+        if deleting is not None:
+            deleting.finish(str(self._backend))
 
     def _reserve(self, keys: list[str]) -> None:
         reserve = getattr(self._backend, "reserve", None)
@@ -4511,6 +4558,12 @@ class StoreWriter:
         ``"incomplete"`` for a resume that recorded no batch and stored no reduction: the
         store is left as it was found (:meth:`discard`), as by :meth:`abort`.
 
+        With ``overwrite=True`` on a local store, the old store moved aside is deleted in the
+        background from the first commit that lists a forward on; the close (and :meth:`abort`)
+        waits for that delete to finish, as long as the files it has left take to delete (none
+        once it is done), so that a closed store leaves no ``.<name>.replaced-<hex>`` folder. A
+        part it could not delete is named in a ``RuntimeWarning`` here, never raised.
+
         Parameters
         ----------
         status : {"complete", "incomplete"}, default "complete"
@@ -4558,7 +4611,10 @@ class StoreWriter:
             finally:
                 if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
                     self._settle_aside(keep_new=False)
-                self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
+                try:
+                    self._finish_delete()
+                finally:
+                    self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
@@ -4596,7 +4652,10 @@ class StoreWriter:
                 try:
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
                         self._settle_aside(keep_new=False)
-                    self._cleanup(remove_if_empty=self._unrecorded_folders())
+                    try:
+                        self._finish_delete()  # (a warning made an error must not keep the lock)
+                    finally:
+                        self._cleanup(remove_if_empty=self._unrecorded_folders())
                 except BaseException:  # noqa: BLE001
                     pass
 

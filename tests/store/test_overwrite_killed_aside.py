@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -517,3 +518,167 @@ def test_a_failed_rename_back_after_a_failed_move_aside_leaves_a_split_a_rerun_f
         with pytest.raises(StoreError, match="holds no root document"):
             open_store(path)
     _rerun(path, "fails", before, data)
+
+
+def _overwrite_writer(path: Path) -> tuple[StoreWriter, torch.Tensor]:
+    """``StoreWriter(path, overwrite=True)`` with one forward of 32 rows recorded (not committed)."""
+    rows = torch.arange(32 * FEATURE, dtype=torch.float32).reshape(32, FEATURE)
+    w = StoreWriter(path, overwrite=True, chunk_rows=16, shard_bytes=16 * FEATURE * 4)
+    w.open_array("new.output", (FEATURE,), torch.float32, "sample").append(rows)
+    w.add_batch(32)
+    w._core.drain()  # (the writer thread is asynchronous: its shards durable, the forward is committable)
+    return w, rows
+
+
+def test_the_first_commit_does_not_wait_for_the_old_store_to_be_deleted(tmp_path, monkeypatch):
+    """The old store is deleted off the committing thread: the first commit returns while that
+    delete is held back (its root document already gone), the new store reads back meanwhile,
+    and the close waits for the delete, leaving no folder aside. (Before, the commit deleted it
+    itself: seconds of a capture's forwards over a store of thousands of shard files.)"""
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    committed, closing, seen = threading.Event(), threading.Event(), []
+    rmtree = shutil.rmtree
+
+    def held(p, *args, **kwargs):
+        if ".replaced-" in Path(p).name and not seen:  # (bounded waits: a commit that deletes it itself sees False)
+            seen.append(committed.wait(10))
+            seen.append(closing.wait(10))
+        return rmtree(p, *args, **kwargs)
+
+    monkeypatch.setattr(W.shutil, "rmtree", held)
+    w, rows = _overwrite_writer(path)
+    (aside,) = _asides(tmp_path)
+    assert w.commit()
+    committed.set()
+    assert aside.is_dir() and not (aside / "zarr.json").exists()  # (root document first: no store there)
+    s = open_store(path)
+    assert s.hook_points == ["new.output"] and torch.equal(s["new.output"], rows) and s.status == "incomplete"
+    stop_threads = w._stop_threads
+
+    def stopping() -> None:  # (the close has begun: the delete may go on)
+        closing.set()
+        stop_threads()
+
+    monkeypatch.setattr(w, "_stop_threads", stopping)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.close()
+    assert seen == [True, True] and _asides(tmp_path) == []
+    s = open_store(path)
+    assert s.status == "complete" and torch.equal(s["new.output"], rows) and s.verify() == []
+
+
+def test_a_delete_of_the_old_store_that_fails_warns_at_the_close_not_in_a_commit(tmp_path, monkeypatch):
+    """Part of the old store cannot be deleted: the commit that settles it raises nothing (not
+    even with warnings as errors: it runs in a forward), and the close warns, naming the folder
+    and the fix; the new store is whole."""
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    rmtree = shutil.rmtree
+
+    def refused(p, *args, ignore_errors=False, **kwargs):
+        if ".replaced-" not in Path(p).name:
+            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused)
+    w, rows = _overwrite_writer(path)
+    (aside,) = _asides(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert w.commit()
+    with pytest.warns(RuntimeWarning, match=rf"the new store has committed, but deleting the old one it replaced "
+                                            rf"from '{aside}' failed \(.*Permission denied.*\).*rm -rf '{aside}'"):
+        w.close()
+    assert not (aside / "zarr.json").exists() and sorted(q.name for q in aside.iterdir()) == ["acts", "reductions",
+                                                                                             "rows"]
+    s = open_store(path)
+    assert s.status == "complete" and torch.equal(s["new.output"], rows)
+
+
+# Killed (SIGKILL) while the close waits for the old store's delete, that delete cut short: the
+# new store's last commit (status complete) is written, the folder aside half deleted.
+_KILLED_DELETING = r"""
+import os, shutil, signal, sys, threading
+from pathlib import Path
+import torch
+from activationscope.store import StoreWriter
+from activationscope.store import writer as W
+
+path = sys.argv[1]
+rmtree, halfway = shutil.rmtree, threading.Event()
+
+def cut_short(p, *args, **kwargs):
+    if ".replaced-" in Path(p).name:
+        rmtree(Path(p) / "acts")
+        halfway.set()
+        threading.Event().wait()  # (the process is killed meanwhile)
+    return rmtree(p, *args, **kwargs)
+
+def finish(self, store):
+    halfway.wait(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+W.shutil.rmtree, W._AsideDelete.finish = cut_short, finish
+w = StoreWriter(path, overwrite=True, chunk_rows=16, shard_bytes=16 * 8 * 4)
+w.open_array("new.output", (8,), torch.float32, "sample").append(torch.ones(32, 8))
+w.add_batch(32)
+w._core.drain()
+assert w.commit()
+w.close()
+os._exit(0)
+"""
+
+
+def test_a_process_killed_while_it_deletes_the_old_store_leaves_the_new_store_complete(tmp_path):
+    """SIGKILL while the old store is deleted in the background: the new store opens complete
+    with its rows, and the next resume or overwrite names what is left of the old one as remains
+    to delete (no root document: never read as a store), as after a delete cut short before."""
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    done = run_python(_KILLED_DELETING, str(path))
+    assert done.returncode == -9, done.stderr
+    (left,) = _asides(tmp_path)
+    assert sorted(q.name for q in left.iterdir()) == ["reductions", "rows"]
+    s = open_store(path)
+    assert s.status == "complete" and s.hook_points == ["new.output"] and s.verify() == []
+    assert torch.equal(s["new.output"], torch.ones(32, FEATURE))
+    with pytest.warns(RuntimeWarning, match=rf"'{left}' holds what is left of a store.*root document is gone.*"
+                                            r"delete it"):
+        StoreWriter(path, resume=True).close()
+    assert open_store(path).status == "complete"
+
+
+def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock(tmp_path, monkeypatch):
+    """The capture fails after the first commit, warnings are errors, and part of the old store
+    cannot be deleted: the abort waits for the delete, and the warning it makes (swallowed, so
+    that the capture's error stays the one raised) does not keep the writer lock."""
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    rmtree = shutil.rmtree
+
+    def refused(p, *args, ignore_errors=False, **kwargs):
+        if ".replaced-" not in Path(p).name:
+            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused)
+    w, rows = _overwrite_writer(path)
+    assert w.commit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.abort(RuntimeError("stop"))
+    assert not w._writer_lock._held  # (released: the next writer is not refused)
+    (aside,) = _asides(tmp_path)
+    assert sorted(q.name for q in aside.iterdir()) == ["acts", "reductions", "rows"]
+    s = open_store(path)
+    assert s.status == "incomplete" and torch.equal(s["new.output"], rows)
