@@ -530,6 +530,23 @@ def _overwrite_writer(path: Path) -> tuple[StoreWriter, torch.Tensor]:
     return w, rows
 
 
+def _old_store_not_deletable(path, monkeypatch) -> None:
+    """A store of 96 rows at ``path``, and a writer module whose rmtree cannot delete the folder
+    an overwrite moves it into (PermissionError; nothing with ignore_errors)."""
+    from activationscope.store import writer as W
+
+    make_store(path, n_rows=96)
+    rmtree = shutil.rmtree
+
+    def refused(p, *args, ignore_errors=False, **kwargs):
+        if ".replaced-" not in Path(p).name:
+            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused)
+
+
 def test_the_first_commit_does_not_wait_for_the_old_store_to_be_deleted(tmp_path, monkeypatch):
     """The old store is deleted off the committing thread: the first commit returns while that
     delete is held back (its root document already gone), the new store reads back meanwhile,
@@ -575,19 +592,8 @@ def test_a_delete_of_the_old_store_that_fails_warns_at_the_close_not_in_a_commit
     """Part of the old store cannot be deleted: the commit that settles it raises nothing (not
     even with warnings as errors: it runs in a forward), and the close warns, naming the folder
     and the fix; the new store is whole."""
-    from activationscope.store import writer as W
-
     path = tmp_path / "s.zarr"
-    make_store(path, n_rows=96)
-    rmtree = shutil.rmtree
-
-    def refused(p, *args, ignore_errors=False, **kwargs):
-        if ".replaced-" not in Path(p).name:
-            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
-        if not ignore_errors:
-            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
-
-    monkeypatch.setattr(W.shutil, "rmtree", refused)
+    _old_store_not_deletable(path, monkeypatch)
     w, rows = _overwrite_writer(path)
     (aside,) = _asides(tmp_path)
     with warnings.catch_warnings():
@@ -659,19 +665,8 @@ def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock
     """The capture fails after the first commit, warnings are errors, and part of the old store
     cannot be deleted: the abort waits for the delete, and the warning it makes (swallowed, so
     that the capture's error stays the one raised) does not keep the writer lock."""
-    from activationscope.store import writer as W
-
     path = tmp_path / "s.zarr"
-    make_store(path, n_rows=96)
-    rmtree = shutil.rmtree
-
-    def refused(p, *args, ignore_errors=False, **kwargs):
-        if ".replaced-" not in Path(p).name:
-            return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
-        if not ignore_errors:
-            raise PermissionError(13, "Permission denied", str(Path(p) / "acts"))
-
-    monkeypatch.setattr(W.shutil, "rmtree", refused)
+    _old_store_not_deletable(path, monkeypatch)
     w, rows = _overwrite_writer(path)
     assert w.commit()
     with warnings.catch_warnings():
