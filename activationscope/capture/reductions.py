@@ -1100,6 +1100,17 @@ def _all_specs(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]]]) ->
     return _as_list(reductions)
 
 
+def _custom_factories(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> list[Any]:
+    """The factories of the custom reductions of a ``reductions=`` argument, one per name, in
+    the order given."""
+    out: dict[str, Any] = {}
+    for item in _all_specs(reductions) if reductions else []:
+        f = _factory(item)
+        if not f.is_builtin and f.name not in out:
+            out[f.name] = f
+    return list(out.values())
+
+
 def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]], None]) -> list[str]:
     """Names of the custom reductions of a scope's ``reductions=`` argument that cannot merge
     (a plain function, scripted or not: no ``merge(a, b)`` method), in the order given.
@@ -1109,14 +1120,8 @@ def unmergeable_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequenc
     Each custom factory is made once and merged with an empty reduction of its kind (a no-op
     for a mergeable one).
     """
-    if not reductions:
-        return []
-    specs = _all_specs(reductions)
     out: list[str] = []
-    for item in specs:
-        f = _factory(item)
-        if f.is_builtin or f.name in out:
-            continue
+    for f in _custom_factories(reductions):
         r = f()
         try:
             r.merge(r.fresh())
@@ -1135,15 +1140,7 @@ def eager_reductions(reductions: Union[Sequence[Any], Mapping[str, Sequence[Any]
     A store that keeps reductions only never continues such a reduction's stored state (no
     program tells that a resumed function is the same one), so its capture cannot be resumed.
     """
-    if not reductions:
-        return []
-    specs = _all_specs(reductions)
-    out: list[str] = []
-    for item in specs:
-        f = _factory(item)
-        if not f.is_builtin and f.name not in out and isinstance(f(), EagerReduction):
-            out.append(f.name)
-    return out
+    return [f.name for f in _custom_factories(reductions) if isinstance(f(), EagerReduction)]
 
 
 def reductions_for(
