@@ -361,17 +361,23 @@ def _child(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _capture_segmented(path: Path) -> None:
+    """store_child's capture of 12 batches into ``path`` (resumed where it holds rows), its
+    manifests sealed every SEGMENT shards."""
     import store_child
 
-    path = tmp_path_factory.mktemp("ref") / "ref.zarr"
     old = F.MANIFEST_SEGMENT_SHARDS
     F.MANIFEST_SEGMENT_SHARDS = SEGMENT
     try:
         store_child.capture(str(path), 12)
     finally:
         F.MANIFEST_SEGMENT_SHARDS = old
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    _capture_segmented(path)
     return path
 
 
@@ -385,8 +391,6 @@ def test_a_capture_killed_then_resumed_ends_as_an_uninterrupted_one(tmp_path, re
     """Killed anywhere (``segrun``), or right after writing segments, before the manifest that
     lists them (``segkillseal``): the store reads its committed rows, and a resume ends with the
     files of an uninterrupted run (every shard, manifest and segment byte for byte)."""
-    import store_child
-
     path = tmp_path / "s.zarr"
     proc = _child(str(path), mode, "12", "0.02")
     try:
@@ -402,12 +406,7 @@ def test_a_capture_killed_then_resumed_ends_as_an_uninterrupted_one(tmp_path, re
     if mode == "segkillseal":  # a segment written, listed by no manifest yet
         listed = {f"manifest.{e['first']}.json" for e in _index(path, "fc1.output").get("segments", [])}
         assert {p.name for p in (path / "acts" / "fc1.output").glob("manifest.*.json")} - listed
-    old = F.MANIFEST_SEGMENT_SHARDS
-    F.MANIFEST_SEGMENT_SHARDS = SEGMENT
-    try:
-        store_child.capture(str(path), 12)
-    finally:
-        F.MANIFEST_SEGMENT_SHARDS = old
+    _capture_segmented(path)
     st, ref = open_store(path), open_store(reference)
     assert st.status == "complete" and st.verify() == []
     for hp in ref.hook_points:
@@ -421,7 +420,6 @@ def test_a_segment_no_manifest_lists_is_a_leftover_that_the_resume_writes_again(
     """A capture killed after writing a segment, before the manifest that lists it: verify said
     nothing of that file; it is named now as a harmless leftover (a note, not damage), and the
     resume's sealing writes it again (whatever it holds) and lists it."""
-    import store_child
     from activationscope import cli
 
     path = tmp_path / "s.zarr"
@@ -444,12 +442,7 @@ def test_a_segment_no_manifest_lists_is_a_leftover_that_the_resume_writes_again(
                      r"manifest .*harmless", err), err
     for name in left:  # whatever the leftover holds, the resume's sealing replaces it
         (folder / name).write_bytes(b"{}")
-    old = F.MANIFEST_SEGMENT_SHARDS
-    F.MANIFEST_SEGMENT_SHARDS = SEGMENT
-    try:
-        store_child.capture(str(path), 12)
-    finally:
-        F.MANIFEST_SEGMENT_SHARDS = old
+    _capture_segmented(path)
     st = open_store(path)
     assert st.status == "complete" and st.verify() == [] and st.leftovers() == []
     assert _files(path) == _files(reference)
