@@ -446,3 +446,28 @@ class InterruptAt:
                 self.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
                 raise KeyboardInterrupt(self.where)
         return self._line
+
+
+def log_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A custom reduction (TorchScript-able): the sum of log(x) per feature, float64; makes
+    -inf of a 0 among finite rows."""
+    s = x.double().log().sum(0)
+    return s if acc is None else acc + s
+
+
+def log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """:func:`log_sum` updating its accumulator in place."""
+    s = x.double().log().sum(0)
+    if acc is None:
+        return s
+    acc += s
+    return acc
+
+
+_LOG_SUM_SCALE = 1.0  # a global Python float: TorchScript refuses it, so log_sum_eager runs eagerly
+
+
+def log_sum_eager(acc, x):
+    """:func:`log_sum` that TorchScript cannot compile (runs as eager Python)."""
+    s = x.double().log().sum(0) * _LOG_SUM_SCALE
+    return s if acc is None else acc + s

@@ -6,13 +6,14 @@ custom reduction, in a store of rows and in one of reductions only."""
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import pytest
 import torch
 
 import activationscope as acs
 from activationscope.store import open_store
+
+from acs_testing import log_sum, log_sum_eager, log_sum_in_place
 
 STREAMING = acs.ReductionPolicy.STREAMING
 
@@ -193,28 +194,7 @@ def test_two_ranks_one_of_whose_last_forward_raised_commit_reductions_of_the_who
     assert torch.equal(got["top.values"], values[:3]) and torch.equal(got["top.row_ids"], ids[:3])
 
 
-def _log_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    s = x.double().log().sum(0)
-    return s if acc is None else acc + s
-
-
-def _log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    s = x.double().log().sum(0)
-    if acc is None:
-        return s
-    acc += s
-    return acc
-
-
-_EAGER_SCALE = 1.0  # a global Python float: TorchScript refuses it, so _log_sum_eager runs eagerly
-
-
-def _log_sum_eager(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    s = x.double().log().sum(0) * _EAGER_SCALE
-    return s if acc is None else acc + s
-
-
-@pytest.mark.parametrize("fn", [_log_sum, _log_sum_in_place, _log_sum_eager], ids=["script", "in_place", "eager"])
+@pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
 def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warning(tmp_path, fn):
     """The caught last forward that raised fed a 0 to a custom reduction's log (inf) before the
     error: that forward is taken out of the reductions, and so is what it made: the result is
@@ -240,7 +220,7 @@ def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warn
                 model(xs[2])
             model.error = None
             red = tracker._reduction_objects["b.output"][0]
-            assert red.kind == ("eager" if fn is _log_sum_eager else "script")
+            assert red.kind == ("eager" if fn is log_sum_eager else "script")
             assert red.made_nonfinite is True  # (the forward that raised made -inf, until the close takes it out)
     assert red.made_nonfinite is False
     messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]

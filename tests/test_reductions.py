@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import activationscope as acs
 from activationscope.capture import reductions as R
 from activationscope.errors import ActivationScopeError, CaptureError, ReductionError
-from acs_testing import SumRows
+from acs_testing import SumRows, log_sum, log_sum_eager, log_sum_in_place
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 DEVICES = [
@@ -2960,24 +2960,6 @@ def test_a_function_compiled_for_each_capture_leaves_no_file_behind(tmp_path):
         s = acs.open_store(tmp_path / f"s{i}.zarr")
         torch.testing.assert_close(s.reductions["0.output"]["row_sum"], model(x).detach().double().sum(0))
         assert any(p.suffix == ".pt" for p in (tmp_path / f"s{i}.zarr" / "reductions" / "0.output").iterdir())
-
-
-def log_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    s = x.double().log().sum(0)
-    return s if acc is None else acc + s
-
-
-def log_sum_in_place(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    s = x.double().log().sum(0)
-    if acc is None:
-        return s
-    acc += s
-    return acc
-
-
-def log_sum_eager(acc, x):
-    s = x.double().log().sum(0) * _IN_PLACE_SCALE
-    return s if acc is None else acc + s
 
 
 @pytest.mark.parametrize("device", DEVICES)
