@@ -127,6 +127,12 @@ def _stop_encoders_at_exit() -> None:
             pass
 
 
+if hasattr(os, "register_at_fork"):
+    # a forked child holds copies of its parent's writers, not its own: its exit must not write
+    # their queued chunks into the parent's store (the parent's shards renamed under it)
+    os.register_at_fork(after_in_child=_ENCODING.clear)
+
+
 # model weights being hashed in the background (_ModelIdentity): stopped at interpreter exit
 _HASHING: "weakref.WeakSet[_ModelIdentity]" = weakref.WeakSet()
 
