@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import linecache
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -412,6 +413,11 @@ def _unguarded() -> dict:
 _UNGUARDED: dict = {}  # {code: line numbers} where InterruptAt raises nothing
 
 
+def _run_by_finalize(frame) -> bool:
+    caller = frame.f_back
+    return caller is not None and caller.f_code is weakref.finalize.__call__.__code__
+
+
 class InterruptAt:
     """Raise KeyboardInterrupt at the ``at``-th line run in activationscope's code (1: the first),
     as a signal delivered there would (Ctrl-C in a notebook), in this thread; ``at=None`` counts
@@ -428,10 +434,11 @@ class InterruptAt:
         sys.settrace(None)
 
     def _call(self, frame, event, arg):
-        # (not in a __del__: one raised there is printed and ignored, as a signal delivered there is,
-        # and when the garbage collector runs one varies from run to run)
+        # (not in a __del__ nor a weakref.finalize callback: one raised there is printed and
+        # ignored, as a signal delivered there is, and when the garbage collector runs them
+        # varies from run to run)
         return self._line if f"activationscope{'/'}" in frame.f_code.co_filename.replace("\\", "/") \
-            and frame.f_code.co_name != "__del__" else None
+            and frame.f_code.co_name != "__del__" and not _run_by_finalize(frame) else None
 
     def _line(self, frame, event, arg):
         # Not at the line of a `with` statement (the event there also comes before its __exit__

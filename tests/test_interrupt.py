@@ -5,9 +5,11 @@ library's own code, for every k (``acs_testing.InterruptAt``)."""
 
 from __future__ import annotations
 
+import gc
 import linecache
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -203,3 +205,20 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_the_cell_again(tmp_path, s
         store = acs.open_store(path)
         assert store.status == "complete", k
         assert torch.equal(store["1.output"], want), k
+
+
+def test_interrupt_at_leaves_out_callbacks_run_by_weakref_finalize():
+    # (the garbage collector runs them when it runs: a Ctrl-C delivered there is printed and
+    # ignored, and the line count would vary from run to run)
+    from acs_testing import _run_by_finalize
+
+    seen = []
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    weakref.finalize(owner, lambda: seen.append(_run_by_finalize(sys._getframe())))
+    del owner
+    gc.collect()
+    assert seen == [True] and not _run_by_finalize(sys._getframe())

@@ -126,7 +126,7 @@ class _ProcessMappings:
         self.lru: OrderedDict[tuple[int, str, str], int] = OrderedDict()
         self.n = 0
         self.stores: dict[int, weakref.ref] = {}  # token -> the store (weakly)
-        self.gone: list[int] = []  # tokens of stores collected since (appended without the lock)
+        self.gone: list[weakref.ref] = []  # weak references of stores collected since (appended without the lock)
         self.default_budget: int | None = None  # _default_map_budget(), taken once per process
         self._tokens = itertools.count()
 
@@ -135,21 +135,23 @@ class _ProcessMappings:
         (its cached mappings with it), at the next store opened or file mapped, so that a
         process that opens stores it never maps keeps no entry per store it ever opened."""
         token = next(self._tokens)
-        gone = self.gone
         with self.lock:
             self.purge()
-            self.stores[token] = weakref.ref(store, lambda _ref: gone.append(token))
+            # (the callback is list.append itself, no Python code: a callback run by the garbage
+            # collector is where a Ctrl-C delivered is printed and ignored)
+            self.stores[token] = weakref.ref(store, self.gone.append)
         return token
 
     def purge(self) -> None:
         """Forget the entries of the stores collected since (call with the lock held)."""
         if not self.gone:
             return
-        tokens = set()
+        refs = set()
         while self.gone:
-            tokens.add(self.gone.pop())
+            refs.add(id(self.gone.pop()))
+        tokens = {token for token, ref in self.stores.items() if id(ref) in refs}
         for token in tokens:
-            self.stores.pop(token, None)
+            del self.stores[token]
         for slot in [slot for slot in self.lru if slot[0] in tokens]:
             self.n -= self.lru.pop(slot)
 
