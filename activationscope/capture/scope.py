@@ -1830,6 +1830,9 @@ class Tracker:
             # and shards flushed), status "incomplete", so `resume=True` continues from there.
             # Never raise over the caller's exception.
             try:
+                stopped_by = getattr(self.writer, "stopped_by", None)
+                if callable(stopped_by):  # (a multi-rank writer tells the other ranks what stopped it)
+                    stopped_by(exc)
                 self.writer.close(status="incomplete")
             except BaseException as e:  # noqa: BLE001
                 if not (str(exc) and str(exc) in str(e)):  # (the close met the same failure: the error says it)

@@ -107,6 +107,10 @@ class ActivationWriter(Protocol):
     def close(self, status: str = "complete") -> None:
         """Commit everything and mark the store ``status``."""
 
+    def stopped_by(self, exc: BaseException) -> None:
+        """Optional: the exception that left the capture's block, given just before
+        ``close(status="incomplete")`` (a multi-rank writer tells the other ranks it)."""
+
     def discard(self) -> None:
         """Optional: close without committing anything of this run, leaving a resumed store as
         it was found (a refused resume); never raises. Writers without it are aborted."""

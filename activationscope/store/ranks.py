@@ -1915,6 +1915,7 @@ class RankWriter:
         self._session, self._inner = session, inner
         self._live: dict = {}
         self._done = False
+        self._stopped_by: BaseException | None = None
 
     #: The merge of rank stores (commit_ranks) copies arrays only: every hook point keeps its own.
     supports_aliases = False
@@ -1971,8 +1972,14 @@ class RankWriter:
         if self._done:
             return
         self._done = True
-        exc = None if status == "complete" else StoreError("the capture on this rank stopped early")
+        exc = None if status == "complete" else self._stopped_by or StoreError("the capture on this rank stopped early")
         self._session.finish(self._inner, self._live, exc)
+
+    def stopped_by(self, exc: BaseException) -> None:
+        """The exception that stopped this rank's capture (the tracker gives it before
+        ``close(status="incomplete")``): the other ranks raise naming it, so the cause is in
+        every rank's log, not only in this rank's."""
+        self._stopped_by = exc
 
     def discard(self, exc: BaseException | None = None) -> None:
         """Close the rank store without committing anything of this run (as

@@ -1758,6 +1758,21 @@ def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_pa
     assert acs.open_store(store).status == "incomplete"
 
 
+def test_a_rank_whose_forward_raised_tells_the_others_its_error(tmp_path):
+    """Rank 1's model raised in a forward, the exception leaving the capture's block: the
+    other ranks raised "rank(s) [1] failed (rank 1: StoreError: the capture on this rank
+    stopped early)", its error in rank 1's log only. The tracker now gives the writer that
+    exception before it closes the rank store: every rank's error names it."""
+    store = tmp_path / "raised.zarr"
+    out = _torchrun(store, "--die-at-batch", "5", "--die-rank", "1", "--die-how", "raise")
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    said = "rank(s) [1] failed (rank 1: RuntimeError: injected failure in the forward of batch 5 on rank 1)"
+    assert said in err, err[-3000:]
+    assert "stopped early" not in err and "nothing was committed" in err
+    assert acs.open_store(store).status == "incomplete"
+
+
 def test_a_wait_group_gloo_cannot_make_falls_back_to_the_default_group(tmp_path, captured):
     """The group of the long waits is a gloo group, made even when the default group is nccl:
     where gloo finds no network interface, dist.new_group(backend="gloo") raised and the capture

@@ -6,7 +6,7 @@
 
 Rank r captures batches r, r + world, r + 2 world, ... of a fixed synthetic data set (batch b
 is seeded by b). The dying rank dies inside the forward of batch K (``os._exit(3)``, or
-SIGKILL of its own pid), once something is committed. ``--die-once``: die only in torchrun's first attempt
+SIGKILL of its own pid, or ``--die-how raise``: a RuntimeError leaving the capture's block), once something is committed. ``--die-once``: die only in torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts=1`` reruns the ranks. The process group
 comes from ``acs.init_process_group`` (``--plain-init``: ``torch.distributed``'s own). The summary of rank 0's commit goes to STORE + ".summary.json"
 (a local STORE only). ``--storage-options``: fsspec options of a URL STORE (``s3://...``), as JSON.
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--die-at-batch", type=int, default=-1)
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--die-once", action="store_true")
-    p.add_argument("--die-how", choices=["exit", "sigkill"], default="exit")
+    p.add_argument("--die-how", choices=["exit", "sigkill", "raise"], default="exit")
     p.add_argument("--plain-init", action="store_true")
     p.add_argument("--storage-options", type=json.loads, default=None)
     p.add_argument("--device", default="cpu", help="the model's device (cuda: every rank on the current one, gloo)")
@@ -181,6 +181,8 @@ def main() -> None:
                     time.sleep(0.01)
 
                 def die(*_):  # mid-forward: the first layers of this batch were captured already
+                    if args.die_how == "raise":  # (leaves the capture's block: the process exits with it)
+                        raise RuntimeError(f"injected failure in the forward of batch {b} on rank {rank}")
                     if args.die_how == "sigkill":
                         os.kill(os.getpid(), signal.SIGKILL)
                     os._exit(3)
