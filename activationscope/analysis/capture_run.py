@@ -51,6 +51,12 @@ class CaptureSummary:
     #: others)"``, or for the resume of a store of every module ``"every module, as the store
     #: was captured"``; "" when ``include`` was given.
     include_note: str = ""
+    #: This process's rank and the number of ranks of a capture run by torchrun (0 and 1 for
+    #: one process). Under torchrun, ``n_samples``, ``n_forwards``, ``first_sample`` and
+    #: ``n_target`` count every rank's (the store's), ``elapsed_s`` and ``hook_points`` are
+    #: this rank's.
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def nothing_to_capture(self) -> bool:
@@ -79,8 +85,13 @@ def run_capture(
     exclude_hook_points: list[str] | None = None,
     data: str | None = None,
     reductions_only: bool = False,
+    samples_of: tuple[int, str] = (0, "this run"),
 ) -> CaptureSummary:
     """Run ``batches`` through ``model`` with a store tracker attached.
+
+    ``samples_of``: how the error of a failed forward names its samples, ``(position of the
+    first batch's first sample, what the positions count)``: ``(0, "this run")`` by default; a
+    rank of a torchrun capture names their positions in the whole data.
 
     ``data``: the ``--data`` spec the batches come from, named by the error of a forward
     that fails on a tensor batch (with the batch's shape and dtype and what the model's first
@@ -186,19 +197,20 @@ def run_capture(
                         raise
                     if done and isinstance(e, Warning):
                         # shown again by _reissue after the forward, whose samples are captured
-                        first = summary.n_samples
+                        first = samples_of[0] + summary.n_samples
                         summary.n_samples += n
                         summary.n_forwards += 1
                         bar.update(n)
                         raise CaptureError(
                             f"the model warned {type(e).__name__}: {' '.join(str(e).split())} in its forward on "
-                            f"samples {first}..{first + n - 1} of this run, an error under the warnings filter "
+                            f"samples {first}..{first + n - 1} of {samples_of[1]}, an error under the warnings filter "
                             "(-W error or PYTHONWARNINGS); those samples were captured, the capture stopped after "
                             "them"
                         ) from e
                     raise CaptureError(
                         f"the model raised {type(e).__name__}: {' '.join(str(e).split())} on samples "
-                        f"{summary.n_samples}..{summary.n_samples + n - 1} of this run"
+                        f"{samples_of[0] + summary.n_samples}..{samples_of[0] + summary.n_samples + n - 1} of "
+                        f"{samples_of[1]}"
                         + "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
                         + _input_hint(model, inputs, data) + _decoder_hint(model, inputs)
                     ) from e
@@ -403,6 +415,17 @@ def capture_dataset(
     them as the command line does. Checks run before anything is loaded: the output path
     (:func:`check_out`), the reduction names, ``batch_size`` and ``max_samples``.
 
+    Run by ``torchrun`` (:func:`torchrun_ranks`: an initialised process group of several
+    ranks, else ``WORLD_SIZE`` above 1 in the environment), every rank calls it with the same
+    arguments: it initialises the process group where none is (gloo; nccl for a model on
+    CUDA) and destroys it before it returns, rank *r* captures samples
+    ``partition_bounds(n, r, world_size)`` of the ``n`` samples (their own sample ids) into its
+    rank store, and rank 0 commits ONE store (``docs/usage/cli.md``, "Several processes:
+    ``torchrun``"). No rank writes before every rank's checks passed: a rank whose checks fail
+    raises its error, the others a StoreError naming it. A ``resume`` continues each rank's
+    part of a store captured on as many ranks; the returned summary counts every rank's
+    samples, with ``rank`` and ``world_size``.
+
     Parameters
     ----------
     model : str
@@ -521,6 +544,14 @@ def capture_dataset(
     ArgumentTypeError
         ``resume`` or ``overwrite`` that is not a bool (``"False"`` is a true string); nothing
         is loaded or changed.
+    ArgumentValueError
+        Under torchrun: ``shard_bytes`` or ``reductions_only`` (nothing is loaded or written);
+        a ``resume`` of a store captured by one process or on another number of ranks, or whose
+        rank store records another part of the data (``--max-samples`` or data of another
+        length), or of a committed store with fewer samples than the data or without the
+        ``reductions`` asked for (nothing changed).
+    StoreError
+        Under torchrun: another rank failed (its error named; nothing written by this one).
 
     Warns
     -----
@@ -563,9 +594,24 @@ def capture_dataset(
         raise ArgumentValueError(f"--rows must be 'auto' or 'token', got {rows!r}")
     reductions = check_reductions(reductions)
     out = os.fspath(out)
+    ranks = torchrun_ranks()
+    if ranks is not None and reductions_only:
+        raise ArgumentValueError(
+            f"--reductions-only cannot be used on {ranks[1]} ranks (torchrun): the rank stores of a multi-rank "
+            "capture are committed into one store from their rows, and --reductions-only keeps none; drop "
+            "--reductions-only, or run the command as one process (without torchrun); nothing was written")
+    if ranks is not None and shard_bytes is not None:
+        raise ArgumentValueError(
+            f"--shard-bytes cannot be used on {ranks[1]} ranks (torchrun): every rank's shards of a row kind must "
+            "hold the same number of rows, whatever each hook point's row size, for the rank stores to be committed "
+            "into one store (shards of 16384 rows); drop --shard-bytes, or run the command as one process (without "
+            "torchrun); nothing was written")
     check_out(out, resume=resume, overwrite=overwrite)  # before loading anything
 
-    dataset = load_data_spec(data, text_column=text_column, label_column=label_column)
+    with warnings.catch_warnings():
+        if ranks is not None and ranks[0] != 0:  # (every rank loads the whole data: rank 0 says its warnings)
+            warnings.simplefilter("ignore")
+        dataset = load_data_spec(data, text_column=text_column, label_column=label_column)
     if labels is not None:
         if dataset.texts is not None:
             raise ArgumentValueError(
@@ -583,49 +629,123 @@ def capture_dataset(
             f"--data {data!r} is text, which needs a tokenizer: use --model demo or a Hugging Face model folder "
             "(or pass a .npy / .pt tensor file)"
         )
-    # the store a resume continues: opened once (_open_resumed), and that one snapshot read by
+    made_group = ranks is not None and _init_rank_group(loaded.model)
+    try:
+        return _capture_loaded(
+            loaded, dataset, model=model, data=data, out=out, ranks=ranks, include=include, exclude=exclude,
+            capture=capture, reductions=reductions, dtype=dtype, compression=compression, shard_bytes=shard_bytes,
+            chunk_rows=chunk_rows, batch_size=batch_size, max_samples=max_samples, max_length=max_length,
+            resume=resume, overwrite=overwrite, stop_after_last=stop_after_last, progress=progress, command=command,
+            token_rows=token_rows, rows=rows, on_start=on_start, exclude_hook_points=exclude_hook_points,
+            reductions_only=reductions_only)
+    finally:
+        if made_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _capture_loaded(
+    loaded: Any, dataset: Any, *, model: str, data: str, out: str, ranks: tuple[int, int] | None,
+    include: Sequence[str] | None, exclude: Sequence[str] | None, capture: str, reductions: list[Any] | None,
+    dtype: str | None, compression: str | None, shard_bytes: int | None, chunk_rows: int | None, batch_size: int,
+    max_samples: int | None, max_length: int | None, resume: bool, overwrite: bool, stop_after_last: bool,
+    progress: bool, command: str | None, token_rows: Any, rows: str,
+    on_start: Callable[[str], None] | None, exclude_hook_points: Sequence[str] | None, reductions_only: bool,
+) -> CaptureSummary:
+    """:func:`capture_dataset` once its arguments are checked and its model and data loaded
+    (and, under torchrun, ``ranks`` its ``(rank, world_size)``, the process group initialised):
+    a rank captures its part of the data, :func:`~activationscope.data.samplers.partition_bounds`
+    of the samples (contiguous: the committed store holds them in the documented order of
+    ``store/FORMAT.md`` section 10), and resumes its own rank store."""
+    import torch
+
+    rank, world = ranks if ranks is not None else (0, 1)
+    n_all = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    whole, offset, stop = dataset, 0, n_all
+    if ranks is not None:
+        from ..data.samplers import partition_bounds
+
+        offset, stop = partition_bounds(n_all, rank, world)
+        dataset = _rank_part(dataset, offset, stop)
+    committed = False  # a torchrun resume of a committed store: checked whole, nothing captured
+
+    def open_resumed() -> Any:
+        nonlocal committed, dataset
+        if ranks is None:
+            return _open_resumed(out, reductions_only)
+        opened, committed = _open_rank_resumed(out, rank, world, reductions_only)
+        if committed:
+            dataset = whole
+        elif opened is not None:
+            try:
+                _check_rank_part(out, opened, rank, world, offset, stop)
+            except BaseException:
+                opened.close()
+                raise
+        return opened
+
+    # the store a resume continues: opened once (open_resumed), and that one snapshot read by
     # every check below (its rows, max_length, include patterns, model, data, labels, token ids)
     store: Any = None
+    error: BaseException | None = None
+    first = n = 0
+    include_note = ""
     try:
-        if dataset.texts is not None:
-            _ensure_pad_token(loaded.tokenizer, model)
-            _pad_on_the_right(loaded.tokenizer)
-            if resume:
-                store = _open_resumed(out, reductions_only)
-                max_length = _resumed_max_length(out, max_length, store)
-            max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
-            count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
-            n_special = int(count(pair=False)) if callable(count) else 0
-            if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not
-                raise ArgumentValueError(
-                    f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
-                    f"{n_special} special tokens to every sample (and would not truncate at all); pass --max-length "
-                    f"{n_special + 1} or more")
-        n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
-        if resume and store is None:
-            store = _open_resumed(out, reductions_only)
-        first = resume_offset(store) if resume else 0
-        include, include_note = _include_for(include, loaded, out, resume, store)
-        if resume and first >= n:  # the store writer, which checks the model, is not opened when nothing is left
-            _check_no_writer(out)
-            _check_resumed_model(out, loaded.model, store)
-            _check_resumed_side(out, capture, store)
-            if len(dataset) < first:
-                raise ArgumentValueError(
-                    f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, so "
-                    "it is not the data the store was captured from; resume with that data, or pass --overwrite instead "
-                    "of --resume to capture this data into a new store (nothing was changed)")
-        if resume and 0 < first <= len(dataset) and dataset.texts is not None:
-            _check_resumed_texts(out, dataset, data, first, store)
-            if first < n:  # (the texts left are tokenized by this run)
-                _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first, store)
-        if resume and 0 < first <= len(dataset) and dataset.tensor is not None:
-            _check_resumed_tensor(out, dataset.tensor, data, first, store)
-            _check_resumed_labels(out, dataset.labels, data, first, store)
-    finally:
-        if store is not None:
-            store.close()
-    if first >= n and not reductions:
+        try:
+            if dataset.texts is not None:
+                _ensure_pad_token(loaded.tokenizer, model)
+                _pad_on_the_right(loaded.tokenizer)
+                if resume:
+                    store = open_resumed()
+                    if store is not None:
+                        max_length = _resumed_max_length(out, max_length, store)
+                max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
+                count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
+                n_special = int(count(pair=False)) if callable(count) else 0
+                if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not
+                    raise ArgumentValueError(
+                        f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
+                        f"{n_special} special tokens to every sample (and would not truncate at all); pass "
+                        f"--max-length {n_special + 1} or more")
+            elif resume:
+                store = open_resumed()
+            n = len(dataset) if ranks is not None and not committed else n_all
+            first = resume_offset(store) if store is not None else 0
+            include, include_note = _include_for(include, loaded, out, resume and store is not None, store)
+            if resume and store is not None and (first >= n or committed):
+                # (the store writer, which checks the model, is not opened when nothing is left)
+                _check_no_writer(out)
+                _check_resumed_model(out, loaded.model, store)
+                _check_resumed_side(out, capture, store)
+                if len(dataset) < first:
+                    raise ArgumentValueError(
+                        f"--resume: store {out!r} holds {first} samples, but --data {data!r} has only {len(dataset)}, "
+                        "so it is not the data the store was captured from; resume with that data, or pass "
+                        "--overwrite instead of --resume to capture this data into a new store (nothing was changed)")
+            if resume and store is not None and 0 < first <= len(dataset) and dataset.texts is not None:
+                _check_resumed_texts(out, dataset, data, first, store)
+                if first < n:  # (the texts left are tokenized by this run)
+                    _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first, store)
+            if resume and store is not None and 0 < first <= len(dataset) and dataset.tensor is not None:
+                if not committed:  # (a committed store's provenance is a rank's: fingerprints of its part only)
+                    _check_resumed_tensor(out, dataset.tensor, data, first, store)
+                _check_resumed_labels(out, dataset.labels, data, first, store)
+            if committed:
+                _check_committed_resume(out, store, first, n, reductions, world)
+        finally:
+            if store is not None:
+                store.close()
+    except Exception as e:  # noqa: BLE001 - every rank learns it (_exchange), then it is raised
+        if ranks is None:
+            raise
+        error = e
+    if ranks is not None:  # no rank writes before every rank's checks passed
+        facts = _exchange(error, (first, n), world)
+        if committed:
+            return CaptureSummary(first_sample=first, n_target=n, include_note=include_note, rank=rank,
+                                  world_size=world)
+    if first >= n and not reductions and ranks is None:
         completed = _check_full_resume(
             out, loaded.model, include=include,
             exclude=list(exclude) if exclude else None, capture=capture,
@@ -638,14 +758,14 @@ def capture_dataset(
         labels = dataset.labels[first:n] if dataset.labels is not None else None
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
-            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=first, sample_ids=ids,
-            max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
+            dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=offset + first,
+            sample_ids=ids, max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
-        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=first,
+        batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=offset + first,
                                  token_ids=rows == "token" and _are_token_ids(dataset.tensor),
                                  labels=dataset.labels[first:n] if dataset.labels is not None else None)
-    if on_start is not None and include_note:
+    if on_start is not None and include_note and rank == 0:
         on_start(include_note)
     options = capture_store_options(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
@@ -654,17 +774,35 @@ def capture_dataset(
     )
     if dataset.tensor is not None:  # what a later --resume checks its data against
         options["provenance"]["data_fingerprint"] = tensor_fingerprint(dataset.tensor, n)
+    if ranks is not None:  # the samples of the data this rank captures (a --resume keeps them)
+        options["provenance"]["rank_part"] = {"start": offset, "stop": stop, "n_samples": n_all, "world_size": world}
     summary = run_capture(
         loaded.model, batches, out=out, n_total=max(0, n - first),
         include=include,
         exclude=list(exclude) if exclude else None,
         reductions=reductions, capture=capture,
         storage_dtype=getattr(torch, dtype) if dtype else None, store_options=options,
-        progress=progress, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
+        progress=progress and rank == 0, stop_after_last=stop_after_last, token_rows=token_rows, rows=rows,
         exclude_hook_points=list(exclude_hook_points) if exclude_hook_points else None,
         data=data if dataset.tensor is not None else None, reductions_only=reductions_only,
+        samples_of=(offset + first, f"the data (rank {rank}'s part, samples {offset}..{stop - 1})")
+        if ranks is not None else (0, "this run"),
     )
     summary.first_sample, summary.n_target, summary.include_note = first, n, include_note
+    if ranks is not None:  # the whole store's, as every rank's checks told them (each ran its every batch)
+        summary.rank, summary.world_size = rank, world
+        summary.first_sample = sum(f for f, _ in facts)
+        summary.n_target = n_all
+        summary.n_samples = sum(max(0, m - f) for f, m in facts)
+        summary.n_forwards = sum(-(-max(0, m - f) // batch_size) for f, m in facts)
+        if rank == 0:  # (the committed store's: rank 0's part may have held nothing left to capture)
+            from ..store import open_store
+
+            committed_store = open_store(out)
+            try:
+                summary.hook_points = list(committed_store.hook_points)
+            finally:
+                committed_store.close()
     return summary
 
 
@@ -1563,3 +1701,186 @@ def iter_text_batches(
         chunk = list(texts[start:start + batch_size])
         encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         yield start, dict(encoded)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: each rank captures its part of the data into one store
+
+
+def torchrun_ranks() -> tuple[int, int] | None:
+    """``(rank, world_size)`` of a capture that several processes run together, or None for
+    one process.
+
+    An initialised ``torch.distributed`` default group of more than one rank gives them;
+    without one, the environment ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) does, where ``WORLD_SIZE`` is above 1. ``WORLD_SIZE=1`` (or unset) is one
+    process.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``WORLD_SIZE`` or ``RANK`` that is not an int, a ``RANK`` outside ``[0, WORLD_SIZE)``,
+        or ``WORLD_SIZE`` above 1 without ``RANK``, ``MASTER_ADDR`` or ``MASTER_PORT`` (start
+        the command with ``torchrun``, which sets them).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        return (dist.get_rank(), world) if world > 1 else None
+    env = os.environ
+    if env.get("WORLD_SIZE", "").strip() in ("", "1"):
+        return None
+
+    def number(name: str) -> int:
+        try:
+            return int(env[name])
+        except (KeyError, ValueError):
+            raise ArgumentValueError(
+                f"the environment says WORLD_SIZE={env.get('WORLD_SIZE')!r}, a capture on several processes, but "
+                f"{name}={env.get(name)!r} is not an int; start the command with torchrun (which sets RANK, "
+                "WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE for one process") from None
+
+    world, rank = number("WORLD_SIZE"), number("RANK")
+    if world < 1 or not 0 <= rank < world:
+        raise ArgumentValueError(f"the environment's RANK={rank} and WORLD_SIZE={world} must satisfy "
+                                 "0 <= RANK < WORLD_SIZE; start the command with torchrun")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ArgumentValueError(
+            f"the environment says WORLD_SIZE={world}, a capture on several processes, but {' and '.join(missing)} "
+            "is not set; start the command with torchrun (which sets it), or unset WORLD_SIZE for one process")
+    return rank, world
+
+
+def _init_rank_group(model: Any) -> bool:
+    """Initialise the default process group of a torchrun capture, unless one is (False):
+    ``"nccl"`` when ``model`` holds a CUDA tensor (on the GPU ``LOCAL_RANK`` names), else
+    ``"gloo"``, with :func:`activationscope.init_process_group` (which works after a torchrun
+    restart). True when this call made it: the caller destroys it."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from ..store.ranks import init_process_group
+
+    if dist.is_initialized():
+        return False
+    tensors = itertools.chain(getattr(model, "parameters", lambda: ())(), getattr(model, "buffers", lambda: ())())
+    if any(getattr(t, "is_cuda", False) for t in tensors):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
+        torch.cuda.set_device(device)
+        init_process_group("nccl", device_id=device)
+    else:
+        init_process_group("gloo")
+    return True
+
+
+def _rank_part(dataset: Any, start: int, stop: int) -> Any:
+    """Samples ``[start, stop)`` of ``dataset`` (a :class:`.specs.LoadedData`), keeping their
+    sample ids (those of the whole data set: ``start`` ... for data without ids of its own)."""
+    from .specs import LoadedData
+
+    ids = dataset.sample_ids[start:stop] if dataset.sample_ids is not None else None
+    return LoadedData(
+        texts=dataset.texts[start:stop] if dataset.texts is not None else None,
+        tensor=dataset.tensor[start:stop] if dataset.tensor is not None else None,
+        labels=dataset.labels[start:stop] if dataset.labels is not None else None,
+        name=dataset.name, sample_ids=ids)
+
+
+def _exchange(error: BaseException | None, facts: Any, world: int) -> list[Any]:
+    """Every rank's ``facts`` (in rank order), once every rank says how its checks went: a
+    rank that failed raises its own ``error``; the others raise StoreError naming it and its
+    error, so every rank's log holds the cause. Nothing is written before this returns."""
+    import torch.distributed as dist
+
+    from ..errors import one_line
+
+    said = None if error is None else f"{type(error).__name__}: {one_line(error)}"
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, (said, facts))
+    if error is not None:
+        raise error
+    failed = [(r, s) for r, (s, _) in enumerate(outcomes) if s is not None]
+    if failed:
+        raise StoreError(f"rank(s) {[r for r, _ in failed]} failed before the capture started ("
+                         + "; ".join(f"rank {r}: {s}" for r, s in failed) + "); nothing was written")
+    return [f for _, f in outcomes]
+
+
+def _open_rank_resumed(out: str, rank: int, world: int, reductions_only: bool) -> tuple[Any, bool]:
+    """The store a rank of a torchrun ``resume`` continues, opened, and whether it is the
+    committed store (True: every rank checks that) rather than the rank's own rank store
+    (None in its place where the rank has none of this run yet: it starts from its first sample).
+
+    Raises
+    ------
+    ArgumentValueError
+        A store captured by one process (resumed by one process only), or one captured on
+        another number of ranks; nothing changed.
+    """
+    from ..store import open_store
+    from ..store.ranks import rank_target
+
+    root = _open_resumed(out, reductions_only)
+    record = root.attrs.get("distributed")
+    if not isinstance(record, dict):
+        root.close()
+        raise ArgumentValueError(
+            f"--resume: store {out!r} was captured by one process, and this command runs on {world} ranks "
+            "(torchrun): its rows cannot be split between them; resume it without torchrun, or pass --overwrite "
+            f"instead of --resume to capture it again on {world} ranks (nothing was changed)")
+    recorded = record.get("world_size")
+    if recorded != world:
+        root.close()
+        raise ArgumentValueError(
+            f"--resume: store {out!r} was captured on {recorded} ranks, and this command runs on {world}: each rank "
+            f"continues its own part of the data; resume it with torchrun --nproc_per_node={recorded} (over all "
+            f"nodes: {recorded} processes), or pass --overwrite instead of --resume to capture it again on {world} "
+            "ranks (nothing was changed)")
+    if record.get("committed"):
+        return root, True
+    ranks = {r.get("rank"): r for r in record.get("ranks") or () if isinstance(r, dict)}
+    root.close()
+    if rank not in ranks:  # (none yet, or another run's: the store writer starts it anew)
+        return None, False
+    return open_store(rank_target(out, rank)), False
+
+
+def _check_rank_part(out: str, store: Any, rank: int, world: int, start: int, stop: int) -> None:
+    """A rank store continues the same samples ``[start, stop)`` of the data that its first
+    run recorded (``rank_part`` of its provenance): other ones (another ``--max-samples``, or
+    data of another length) would leave samples out or capture them twice (ArgumentValueError;
+    nothing changed). A rank store recording none (captured from Python) is not checked."""
+    provenance = store.attrs.get("provenance")
+    part = provenance.get("rank_part") if isinstance(provenance, dict) else None
+    if not isinstance(part, dict) or [part.get("start"), part.get("stop")] == [start, stop]:
+        return
+    raise ArgumentValueError(
+        f"--resume: rank {rank} of store {out!r} was given samples [{part.get('start')}, {part.get('stop')}) of "
+        f"{part.get('n_samples')} on {part.get('world_size')} ranks, and this run would give it [{start}, {stop}) (the "
+        "--data or --max-samples differ): resume with the data and --max-samples of that capture, or pass "
+        "--overwrite instead of --resume to capture anew (nothing was changed)")
+
+
+def _check_committed_resume(out: str, store: Any, first: int, n: int, reductions: list[Any] | None, world: int) -> None:
+    """A torchrun ``resume`` of a committed store (``store``, opened) captures nothing: it holds
+    every sample of the data (``first`` of ``n``) with the reductions asked for, or it is refused
+    (ArgumentValueError; nothing changed): its ranks' parts of the data are committed, so it
+    takes no more samples and computes no other reduction under torchrun."""
+    fix = "pass --overwrite instead of --resume to capture it again (nothing was changed)"
+    if first < n:
+        raise ArgumentValueError(
+            f"--resume: store {out!r} was captured on {world} ranks and committed with {first} samples, and --data "
+            f"with this --max-samples has {n}: a committed multi-rank store takes no more samples; {fix}")
+    wanted = {r if isinstance(r, str) else r[0] for r in reductions or ()}
+    stored = store.reductions
+    for hp in store.hook_points:
+        missing = sorted(wanted - set(stored[hp] if hp in stored else ()))
+        if missing:
+            raise ArgumentValueError(
+                f"--resume --reduce: store {out!r} was captured on {world} ranks and committed without the reductions "
+                f"{missing} of hook point {hp!r}; under torchrun a committed store computes no reduction over its "
+                f"stored rows: run the command as one process (without torchrun) to compute them, or {fix}")

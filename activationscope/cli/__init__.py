@@ -509,6 +509,8 @@ _CLI_SPELLINGS = (
      "--format parquet and --format arrow write an empty table"),
     # a store that keeps reductions only (store.reader, capture.scope): the fix in the command's flags
     ("to store rows, capture again without reduction_policy", "to store rows, capture again without --reductions-only"),
+    # a multi-rank capture (store.ranks) that failed on a rank, run by torchrun
+    ("with store_options resume=True", "with --resume"),
 )
 
 
@@ -752,6 +754,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         labels=args.labels, text_column=args.text_column, label_column=args.label_column,
         on_start=lambda note: print(f"tracked modules: {note}", flush=True), reductions_only=args.reductions_only,
     )
+    if summary.rank != 0:  # under torchrun: rank 0 says what the ranks did
+        return 0
     if summary.nothing_to_capture:
         reduced = (f"; reductions {args.reduce} computed over the stored rows of {len(summary.reduced_hook_points)} "
                    "hook point(s)") if summary.reduced_hook_points else ""
@@ -767,6 +771,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         f"captured {summary.n_samples} samples ({summary.n_forwards} forward{'' if summary.n_forwards == 1 else 's'}, "
         f"{len(summary.hook_points)} hook point{'' if len(summary.hook_points) == 1 else 's'}) "
         f"in {summary.elapsed_s:.1f} s into {args.out}"
+        + (f" on {summary.world_size} ranks" if summary.world_size > 1 else "")
         + (f" (reductions only: {args.reduce})" if args.reductions_only else "")
     )
     return 0
