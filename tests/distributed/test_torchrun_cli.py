@@ -234,3 +234,28 @@ def test_world_size_one_is_one_process(workdir, monkeypatch):
     store = acs.open_store(workdir / "one.zarr")
     assert store.attrs["format"]["version"] == 1 and "distributed" not in store.attrs
     assert store.row_table("sample").column_names == ["sample_id", "batch"] and store.n_samples == N
+
+
+def test_text_under_torchrun_keeps_the_line_numbers_and_the_token_rows_of_one_process(workdir):
+    lines = ["the quick brown fox jumps", "", "over the lazy dog", "seven tired cats sleep under warm red blankets",
+             "a b", "the end of the text is here", "short"]
+    (workdir / "texts.txt").write_text("\n".join(lines) + "\n")
+    args = ["capture", "--model", "demo", "--data", "texts.txt", "--include", "encoder.layer.5", "--reduce", "mean",
+            "--batch-size", "2", "--no-progress"]
+    run = _torchrun(workdir, [*args, "--out", "two.zarr"])
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    # the warning about the data as a whole (its blank line) is rank 0's alone
+    assert "skipped 1 blank line" in run["ranks"][0][1] and run["ranks"][1] == ("", "")
+    with pytest.warns(UserWarning, match="skipped 1 blank line"):
+        assert cli.main([*args, "--out", "one.zarr"]) == 0
+    two, one = acs.open_store(workdir / "two.zarr"), acs.open_store(workdir / "one.zarr")
+    samples = two.row_table("sample")
+    assert samples.column("sample_id").to_pylist() == [0, 2, 3, 4, 5, 6]  # line numbers; parts of 3 samples
+    assert samples.column("rank").to_pylist() == [0, 0, 0, 1, 1, 1]
+    assert samples.column("text").to_pylist() == one.row_table("sample").column("text").to_pylist()
+    tokens, ref = two.row_table("token"), one.row_table("token")
+    for column in ("sample_id", "pos", "token_ids"):
+        assert tokens.column(column).to_pylist() == ref.column(column).to_pylist(), column
+    hp = "encoder.layer.5.output"
+    torch.testing.assert_close(two[hp], one[hp], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(two.reductions[hp]["mean"], one.reductions[hp]["mean"], rtol=1e-5, atol=1e-6)
