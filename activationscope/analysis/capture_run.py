@@ -566,8 +566,6 @@ def capture_dataset(
         raised as it is (not as a CaptureError: the model did not raise it), with a note
         saying what the store keeps.
     """
-    import torch
-
     from .._args import parse_flag
     from .specs import load_data_spec, load_labels_spec, load_model_spec
 
