@@ -623,12 +623,18 @@ class Store:
                 return backend
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _committed_a_forward(self) -> bool:
+        """Whether the root lists a commit of at least one forward (``n_batches`` or samples),
+        in a store of rows and in one that keeps reductions only alike."""
+        return int(self._attrs.get("n_batches") or 0) > 0 or self.n_samples > 0
+
     def _warn_store_moved_aside(self) -> None:
-        """A local store that holds no rows yet while a folder next to it holds the store an
+        """A local store that holds no committed forward yet (its root may list hook points, of
+        0 rows, or reduced hook points) while a folder next to it holds the store an
         ``overwrite=True`` moved aside (FORMAT.md section 7): the new run is still before its
         first commit, or its writer was killed there. Said once, when the store is opened: the
         rows a reader expected are in that folder, not lost."""
-        if not isinstance(self._backend, LocalBackend) or self.status == "complete" or self.hook_points:
+        if not isinstance(self._backend, LocalBackend) or self.status == "complete" or self._committed_a_forward():
             return
         try:
             moved = self._backend.moved_roots()

@@ -677,3 +677,58 @@ def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock
     assert sorted(q.name for q in aside.iterdir()) == ["acts", "reductions", "rows"]
     s = open_store(path)
     assert s.status == "incomplete" and torch.equal(s["new.output"], rows)
+
+
+# SIGKILL right after the first root document of the new store that lists a hook point (its
+# array with 0 rows: the forward is recorded, its shard not yet durable), before its first commit;
+# argv[2] "reduced": a capture that keeps reductions only, killed at its first root.
+_KILLED_LISTING = r"""
+import json, os, signal, sys
+import torch
+import activationscope as acs
+from activationscope.store import _backend as B
+
+path, kind = sys.argv[1], sys.argv[2]
+set_root = B.LocalBackend.set
+
+def set_then_die(self, key, data):
+    set_root(self, key, data)
+    if key == "zarr.json" and (kind == "reduced" or json.loads(data)["attributes"]["activationscope"]["arrays"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+B.LocalBackend.set = set_then_die
+model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+policy = {"reduction_policy": acs.ReductionPolicy.STREAMING, "reductions": ["mean"]} if kind == "reduced" else {}
+scope = acs.ActivationScope(store=path, store_options={"overwrite": True, "commit_interval": 0}, **policy)
+with scope.track(model), torch.no_grad():
+    model(torch.randn(8, 8))
+    model(torch.randn(8, 8))
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["rows", "reduced"])
+def test_a_store_killed_before_its_first_commit_names_the_old_store_aside_though_it_lists_hook_points(tmp_path,
+                                                                                                     kind):
+    """Killed after a root that lists the new store's hook points (0 rows each, no forward
+    committed): opening it warns, naming the folder that holds the old store, as for a root that
+    lists none (before, a root listing a hook point silenced the warning). A store that keeps
+    reductions only and lists reduced hook points, committing none, likewise."""
+    import json
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    done = run_python(_KILLED_LISTING, str(path), kind)
+    assert done.returncode == -9, done.stderr
+    (aside,) = _asides(tmp_path)
+    if kind == "reduced":  # (its hook point listed, with 0 rows reduced: as a commit that waits for the states)
+        doc = json.loads((path / "zarr.json").read_text())
+        attrs = doc["attributes"]["activationscope"]
+        assert attrs["rows_stored"] is False and attrs["n_batches"] == 0
+        attrs["reduced"] = {"0.output": {"row_kind": "sample", "feature_shape": [4], "dtype": "float32", "n_rows": 0}}
+        (path / "zarr.json").write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match=rf"holds no rows yet: an overwrite=True .* the store it replaces is in "
+                                         rf"'{aside}' until then"):
+        s = open_store(path)
+    assert s.hook_points == ["0.output"] and s.status == "incomplete" and s.n_samples == 0
+    assert torch.equal(open_store(aside)[HP], data)  # (whole, there)
