@@ -1298,6 +1298,8 @@ class StoreWriter:
                     self._deleting.append(_AsideDelete(self._remains, remains=True))
             except BaseException:
                 self._settle_aside(keep_new=False)
+                with contextlib.suppress(Exception):  # (a delete started: done before the lock goes)
+                    self._finish_delete()
                 self._writer_lock.discard_root()
                 staging = getattr(self, "_staging_finalizer", None)
                 if staging is not None:  # made before the failure: nothing of this writer needs it
