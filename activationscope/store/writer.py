@@ -3630,8 +3630,14 @@ class StoreWriter:
         writer leaves no ``.<name>.replaced-<hex>`` folder. The same for the delete of what an
         earlier writer's delete left (:meth:`_warn_left_aside`)."""
         deleting, self._deleting = self._deleting, []
-        for d in deleting:
-            d.finish(str(self._backend))
+        raised: list[BaseException] = []
+        for d in deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+            try:
+                d.finish(str(self._backend))
+            except BaseException as e:  # noqa: BLE001 - raised below, once every delete is done
+                raised.append(e)
+        if raised:
+            raise raised[0]
 
     def _reserve(self, keys: list[str]) -> None:
         reserve = getattr(self._backend, "reserve", None)

@@ -706,6 +706,40 @@ def test_what_a_killed_delete_of_the_old_store_left_is_named_and_deleted_by_the_
     assert torch.equal(s["new.output"], rows)
 
 
+def test_a_failed_delete_of_what_was_left_aside_still_waits_for_the_old_store_s_delete(tmp_path, monkeypatch):
+    """An overwrite of a store with a folder left aside runs two deletes: that folder's, which
+    fails here (its warning raised: warnings are errors), and the replaced store's, slow. The
+    close raises the first warning only after the second delete is done, and releases the lock
+    (before, it raised at once, the other delete still running with the lock gone)."""
+    from activationscope.store import writer as W
+
+    path, left = _killed_deleting(tmp_path, "close")
+    rmtree = shutil.rmtree
+
+    def refused_or_slow(p, *args, ignore_errors=False, **kwargs):
+        if Path(p) == left:
+            if not ignore_errors:
+                raise PermissionError(13, "Permission denied", str(left / "rows"))
+            return None
+        if ".replaced-" in Path(p).name:  # (the store this overwrite replaces: a large one)
+            threading.Event().wait(1.0)
+        return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused_or_slow)
+    w = StoreWriter(path, overwrite=True)
+    (replaced,) = [p for p in _asides(tmp_path) if p != left]
+    w.open_array("new.output", (FEATURE,), torch.float32, "sample").append(torch.zeros(8, FEATURE))
+    w.add_batch(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match=rf"deleting what is left in '{left}' of a store an earlier "
+                                                 rf"overwrite=True replaced failed \(.*Permission denied.*\)"):
+            w.close()
+    assert not replaced.exists() and not w._writer_lock._held
+    assert sorted(q.name for q in left.iterdir()) == ["reductions", "rows"]
+    assert torch.equal(open_store(path)["new.output"], torch.zeros(8, FEATURE))
+
+
 def test_what_is_left_aside_beside_another_folder_or_entry_is_only_named(tmp_path):
     """What cannot be told apart keeps the warning and deletes nothing: a second folder aside,
     an entry of another name in the folder, or a store at the path that has committed no
