@@ -133,6 +133,37 @@ def test_a_forward_raising_out_of_the_block_keeps_the_forwards_before_it_in_a_st
         _check(store.reductions, "b.output", model.b(model.a(torch.cat(xs))))
 
 
+def test_a_forward_raising_out_of_the_block_leaves_a_store_of_rows_with_no_reduction(tmp_path):
+    """A store of rows whose block raised mid-forward commits the whole forwards before it, rows
+    only: no reduction is written at the close (docs/usage/capture.md); a resume computes every
+    reduction over the stored rows, ending with those of an uninterrupted run."""
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [torch.randn(n, 3) for n in (4, 5, 6, 2)]
+    path = tmp_path / "s.zarr"
+    with pytest.raises(KeyboardInterrupt), torch.no_grad(), _scope(path).track(model):
+        model(xs[0])
+        model(xs[1])
+        model.error = KeyboardInterrupt
+        model(xs[2])
+    model.error = None
+    store = open_store(path)
+    assert store.status == "incomplete" and store.n_samples == 9
+    assert dict(store.reductions) == {} and store.partial_reductions == {}
+    with torch.no_grad():
+        assert torch.equal(store["a.output"], model.a(torch.cat(xs[:2])))
+    with torch.no_grad(), _scope(path, store_options={"resume": True}).track(model) as t:
+        assert t.resume_from == 9
+        for x in xs[2:]:
+            model(x)
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 17
+    with torch.no_grad():
+        h = model.b(model.a(torch.cat(xs)))
+        for hook_point, want in {"a.output": model.a(torch.cat(xs)), "b.output": h, "c.output": model.c(h)}.items():
+            _check(store.reductions, hook_point, want)
+
+
 @pytest.mark.parametrize("kind", ["rows", "reductions only"])
 def test_info_gives_the_bytes_of_the_reductions(tmp_path, kind, capsys):
     """info() and `activationscope info` gave the bytes of the activations only: a store of

@@ -710,6 +710,31 @@ class LocalBackend:
                                 else "permission denied: not writable by this process")
         return found[0] if found else None
 
+    def replaced_remains(self) -> Path | None:
+        """The folder of :meth:`aside_folders` that is what a cut-short delete of a replaced store
+        left (FORMAT.md section 7: the delete removes its root document first): the one folder
+        of them that is not empty, holding no root document and nothing but a store's entries
+        (``acts``, ``rows``, ``reductions``, ``ranks`` as real folders; temporary files and
+        file-manager clutter as regular files). None when there is none, two or more folders
+        are not empty, or that folder holds anything else (a root document, the lock, a link,
+        an entry of another name). Whether it is garbage depends on the store at the path too:
+        see :func:`_format.settled_replaced`."""
+        try:
+            held = [p for p in self.aside_folders() if any(p.iterdir())]
+            if len(held) != 1:
+                return None
+            for p in held[0].iterdir():
+                if p.is_symlink():
+                    return None
+                if p.name in _STORE_FOLDERS:
+                    if not p.is_dir():
+                        return None
+                elif p.name in ("zarr.json", LOCK_KEY) or _foreign_names([p.name]) or not p.is_file():
+                    return None
+            return held[0]
+        except OSError:
+            return None
+
     def moved_roots(self) -> list[Path]:
         """The folders of :meth:`aside_folders` that hold the root document of an
         activationscope store (``zarr.json`` with our attributes): a store an overwrite moved
@@ -1842,9 +1867,11 @@ def resolve(target: Any, *, fsync: bool = False, read_only: bool = False,
     )
 
 
+#: The folders of a local store's folder that are the store's own (FORMAT.md section 1).
+_STORE_FOLDERS = frozenset({"acts", "rows", "reductions", "ranks"})
 #: The entries of a local store's folder that are the store's own (FORMAT.md section 1; names
 #: ending in ``.tmp`` are unfinished writes, also the store's).
-_STORE_ENTRIES = frozenset({"zarr.json", "acts", "rows", "reductions", "ranks", LOCK_KEY})
+_STORE_ENTRIES = frozenset({"zarr.json", *_STORE_FOLDERS, LOCK_KEY})
 #: Files a file manager leaves in any folder it shows: not the user's data, removed with the store.
 _OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
 

@@ -508,6 +508,22 @@ def run_of(attrs: Any) -> tuple | None:
     return (attrs.get("run_id"), attrs.get("created")) if isinstance(attrs, dict) else None
 
 
+def committed_a_forward(attrs: Any) -> bool:
+    """Whether a store's metadata (parsed root attributes) list a commit of at least one
+    forward (``n_batches``, or samples), in a store of rows and in one that keeps reductions
+    only alike."""
+    if not isinstance(attrs, dict):
+        return False
+    return int(attrs.get("n_batches") or 0) > 0 or int(attrs.get("n_samples") or 0) > 0
+
+
+def settled_replaced(attrs: Any) -> bool:
+    """Whether an ``overwrite=True`` that wrote the store of these metadata settled the store it
+    replaced as deleted (FORMAT.md section 7): its root lists a committed forward, or it closed
+    ``complete``. The delete removes the old store's root document first, at that commit."""
+    return committed_a_forward(attrs) or (isinstance(attrs, dict) and attrs.get("status") == "complete")
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 

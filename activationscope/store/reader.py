@@ -624,11 +624,13 @@ class Store:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _warn_store_moved_aside(self) -> None:
-        """A local store that holds no rows yet while a folder next to it holds the store an
+        """A local store that holds no committed forward yet (its root may list hook points, of
+        0 rows, or reduced hook points) while a folder next to it holds the store an
         ``overwrite=True`` moved aside (FORMAT.md section 7): the new run is still before its
         first commit, or its writer was killed there. Said once, when the store is opened: the
         rows a reader expected are in that folder, not lost."""
-        if not isinstance(self._backend, LocalBackend) or self.status == "complete" or self.hook_points:
+        if (not isinstance(self._backend, LocalBackend) or self.status == "complete"
+                or F.committed_a_forward(self._attrs)):
             return
         try:
             moved = self._backend.moved_roots()
@@ -3410,16 +3412,29 @@ class Store:
         manifest does not list (FORMAT.md section 5: a capture killed after writing a segment,
         before the manifest that lists it); the next commit that seals that block of shards (a
         resume's first commit) writes it again, byte for byte as it should be, and lists it.
+        On a local store, so is a folder next to it, ``.<name>.replaced-<hex>``, that holds what
+        is left of the store an ``overwrite=True`` replaced, its delete cut short (FORMAT.md
+        section 7): named when it is the one such folder, holds no root document and nothing but
+        a store's entries, and this store's root lists a committed forward (or says
+        ``complete``); the next ``resume=True`` or ``overwrite=True`` deletes it.
 
         Returns
         -------
         list of str
-            One line per file, naming it (its key) and why it is there; empty when there is
-            none. An array whose manifest cannot be read is left out (:meth:`verify` names it).
+            One line per file or folder, naming it (its key, or the folder's path) and why it is
+            there; empty when there is none. An array whose manifest cannot be read is left out
+            (:meth:`verify` names it).
         """
-        if self._ranks:  # an uncommitted multi-rank store: its rank stores hold every file
-            return [f"rank {rank} ({st.path}): {line}" for rank, st in self._ranks for line in st.leftovers()]
         out: list[str] = []
+        if isinstance(self._backend, LocalBackend) and F.settled_replaced(self._attrs):
+            remains = self._backend.replaced_remains()
+            if remains is not None:
+                out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "
+                           "delete cut short (its writer was killed after this store's commit; its root document is "
+                           "gone: nothing reads it); harmless, the next resume=True or overwrite=True of this store "
+                           f"deletes it, or delete it now: rm -rf {shlex.quote(str(remains))}")
+        if self._ranks:  # an uncommitted multi-rank store: its rank stores hold every file
+            return out + [f"rank {rank} ({st.path}): {line}" for rank, st in self._ranks for line in st.leftovers()]
         for hp, meta in (self._attrs.get("arrays") or {}).items():
             man_key = meta["manifest"]
             folder = man_key.rpartition("/")[0]

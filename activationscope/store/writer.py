@@ -1029,10 +1029,12 @@ class _AsideDelete:
     """The delete of an old store an ``overwrite=True`` replaced, on a daemon thread: a store of
     thousands of shard files takes seconds to delete, which the commit that settles it (in the
     capture's forwards) would otherwise wait for. :meth:`finish` waits for it and says what it
-    could not delete."""
+    could not delete. ``remains``: the folder is what an earlier writer's delete of it left
+    (said so in that warning)."""
 
-    def __init__(self, aside: Path) -> None:
+    def __init__(self, aside: Path, remains: bool = False) -> None:
         self.aside = aside
+        self.remains = remains
         self.error: BaseException | None = None
         delete = _delete_aside  # (looked up now: the one in use when the delete starts)
 
@@ -1050,9 +1052,11 @@ class _AsideDelete:
         naming the folder and the fix) when part of the folder could not be deleted."""
         self._thread.join()
         if self.error is not None:
+            what = (f"deleting what is left in {str(self.aside)!r} of a store an earlier overwrite=True replaced"
+                    if self.remains else
+                    f"the new store has committed, but deleting the old one it replaced from {str(self.aside)!r}")
             warn_at_caller(
-                f"store {store!r}: the new store has committed, but deleting the old one it replaced from "
-                f"{str(self.aside)!r} failed ({self.error}); that folder holds no store any more: delete it "
+                f"store {store!r}: {what} failed ({self.error}); that folder holds no store any more: delete it "
                 f"(rm -rf {str(self.aside)!r}, with the permission it needs)", RuntimeWarning)
 
 
@@ -1278,7 +1282,10 @@ class StoreWriter:
                 self._backend.make_root = False
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
-            self._deleting: _AsideDelete | None = None  # overwrite: its delete, once the new one committed
+            # overwrite: the old store's delete, once the new one committed; and the delete of what a
+            # cut-short delete of an earlier overwrite left (_warn_left_aside): each waited for by the close
+            self._deleting: list[_AsideDelete] = []
+            self._remains: Path | None = None  # that folder, deleted once this writer is set up
             self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
             self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
             try:
@@ -1287,8 +1294,12 @@ class StoreWriter:
                 # close of a run that committed no forward: see _settle_aside)
                 self._made_new = not resume and self._aside is None
                 self._setup(max_pending_bytes)
+                if self._remains is not None:  # (in the background, as the writer that left it did)
+                    self._deleting.append(_AsideDelete(self._remains, remains=True))
             except BaseException:
                 self._settle_aside(keep_new=False)
+                with contextlib.suppress(Exception):  # (a delete started: done before the lock goes)
+                    self._finish_delete()
                 self._writer_lock.discard_root()
                 staging = getattr(self, "_staging_finalizer", None)
                 if staging is not None:  # made before the failure: nothing of this writer needs it
@@ -1313,7 +1324,11 @@ class StoreWriter:
         this one (``.<name>.replaced-<hex>``, FORMAT.md section 7) and never settled: its writer
         was killed before its new store committed a forward (the old store should have gone
         back) or before it deleted the old one. Only a person can tell which to keep. The folder
-        this writer took over (``adopted``, see ``LocalBackend.finish_move_aside``) is its own."""
+        this writer took over (``adopted``, see ``LocalBackend.finish_move_aside``) is its own.
+        What a delete cut short left (no root document) when the store at the path settled it
+        (its root lists a committed forward, or ``complete``) and nothing else is aside
+        (``LocalBackend.replaced_remains``) is garbage of this store: no warning, and this
+        writer deletes it (``_remains``) once it is set up."""
         b = self._backend
         if not isinstance(b, LocalBackend):
             return
@@ -1323,6 +1338,15 @@ class StoreWriter:
             left = [str(p) for p in left if str(p) not in remains]
         except OSError:
             return
+        if adopted is None and remains and not left:
+            garbage = b.replaced_remains()
+            try:
+                raw = b.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+                settled = raw is not None and F.settled_replaced(V.parse_root(raw, store=b))
+            except StoreError:  # (a damaged root: the folder is named, as before)
+                settled = False
+            if garbage is not None and settled and remains == [str(garbage)]:
+                self._remains, remains = garbage, []
         if remains:  # (a deletion of a settled old store cut short: its root document goes first)
             warn_at_caller(
                 f"store {str(b)!r}: {remains[0]!r}{f' (and {len(remains) - 1} more)' if len(remains) > 1 else ''} "
@@ -3590,7 +3614,7 @@ class StoreWriter:
             except OSError:
                 pass
             # the rest off this thread: the commit returns at once; close() and abort() wait for it
-            self._deleting = _AsideDelete(aside)
+            self._deleting.append(_AsideDelete(aside))
         else:
             try:
                 self._backend.restore_aside(aside)
@@ -3603,10 +3627,17 @@ class StoreWriter:
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
         replaced, started by the commit that settled it (:class:`_AsideDelete`), so that a closed
-        writer leaves no ``.<name>.replaced-<hex>`` folder."""
-        deleting, self._deleting = self._deleting, None
-        if deleting is not None:
-            deleting.finish(str(self._backend))
+        writer leaves no ``.<name>.replaced-<hex>`` folder. The same for the delete of what an
+        earlier writer's delete left (:meth:`_warn_left_aside`)."""
+        deleting, self._deleting = self._deleting, []
+        raised: list[BaseException] = []
+        for d in deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+            try:
+                d.finish(str(self._backend))
+            except BaseException as e:  # noqa: BLE001 - raised below, once every delete is done
+                raised.append(e)
+        if raised:
+            raise raised[0]
 
     def _reserve(self, keys: list[str]) -> None:
         reserve = getattr(self._backend, "reserve", None)
@@ -4696,7 +4727,10 @@ class StoreWriter:
                                RuntimeWarning)
             finally:
                 try:
-                    self._cleanup(remove_if_empty=empty)
+                    try:
+                        self._finish_delete()  # (what an earlier overwrite's delete left: before the lock goes)
+                    finally:
+                        self._cleanup(remove_if_empty=empty)
                 except BaseException:  # noqa: BLE001
                     pass
 

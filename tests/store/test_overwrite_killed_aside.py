@@ -10,6 +10,7 @@ changing nothing."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import threading
 import warnings
@@ -305,8 +306,9 @@ def test_a_failed_rename_while_finishing_the_move_changes_nothing(tmp_path, monk
 
 def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path, monkeypatch):
     """Once the new store commits, the folder aside goes, its root document first: a deletion
-    cut short (the process killed) leaves no store there, and the next overwrite or resume
-    warns that what is left may be deleted (not that it holds a store to move back)."""
+    cut short (the process killed) leaves no store there. Two such folders (which cannot be told
+    apart): the next overwrite or resume warns that what is left may be deleted (not that it
+    holds a store to move back), and keeps them."""
     from activationscope.store import writer as W
 
     path = tmp_path / "s.zarr"
@@ -323,15 +325,17 @@ def test_the_old_store_is_deleted_root_first_and_its_remains_are_named(tmp_path,
     overwrite_capture(path, FailsAt(-1), 1)
     monkeypatch.undo()
     assert seen == [["acts", "reductions", "rows"]] and _asides(tmp_path) == []
-    left = tmp_path / ".s.zarr.replaced-0000aaaa"  # as a deletion cut short leaves it
-    (left / "acts").mkdir(parents=True)
-    (left / "acts" / "zarr.json").write_text("{}")
+    left, other = tmp_path / ".s.zarr.replaced-0000aaaa", tmp_path / ".s.zarr.replaced-0000bbbb"
+    for p in (left, other):  # as a deletion cut short leaves it
+        (p / "acts").mkdir(parents=True)
+        (p / "acts" / "zarr.json").write_text("{}")
     for opts in ({"resume": True}, {"overwrite": True}):
-        with pytest.warns(RuntimeWarning, match=rf"'{left}' holds what is left of a store.*root document is gone.*"
-                                                r"delete it") as w:
+        with pytest.warns(RuntimeWarning, match=rf"'{left}' \(and 1 more\) holds what is left of a store.*root "
+                                                r"document is gone.*delete it") as w:
             StoreWriter(path, **opts).close()
         assert not any("never settled" in str(x.message) for x in w)
-    assert sorted(q.name for q in left.iterdir()) == ["acts"]  # (a warning only)
+    for p in (left, other):
+        assert sorted(q.name for q in p.iterdir()) == ["acts"]  # (a warning only)
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 3])
@@ -608,8 +612,9 @@ def test_a_delete_of_the_old_store_that_fails_warns_at_the_close_not_in_a_commit
     assert s.status == "complete" and torch.equal(s["new.output"], rows)
 
 
-# Killed (SIGKILL) while the close waits for the old store's delete, that delete cut short: the
-# new store's last commit (status complete) is written, the folder aside half deleted.
+# Killed (SIGKILL) while the old store is deleted in the background, that delete cut short:
+# argv[2] "close": while the close waits for it (the new store's last commit, status complete,
+# written); "commit": right after the first commit (the new store incomplete, with its rows).
 _KILLED_DELETING = r"""
 import os, shutil, signal, sys, threading
 from pathlib import Path
@@ -617,7 +622,7 @@ import torch
 from activationscope.store import StoreWriter
 from activationscope.store import writer as W
 
-path = sys.argv[1]
+path, when = sys.argv[1], sys.argv[2]
 rmtree, halfway = shutil.rmtree, threading.Event()
 
 def cut_short(p, *args, **kwargs):
@@ -637,28 +642,125 @@ w.open_array("new.output", (8,), torch.float32, "sample").append(torch.ones(32, 
 w.add_batch(32)
 w._core.drain()
 assert w.commit()
+if when == "commit":
+    finish(None, None)
 w.close()
 os._exit(0)
 """
 
 
-def test_a_process_killed_while_it_deletes_the_old_store_leaves_the_new_store_complete(tmp_path):
-    """SIGKILL while the old store is deleted in the background: the new store opens complete
-    with its rows, and the next resume or overwrite names what is left of the old one as remains
-    to delete (no root document: never read as a store), as after a delete cut short before."""
+def _killed_deleting(tmp_path: Path, when: str) -> tuple[Path, Path]:
+    """A store whose overwrite was killed while it deleted the old store (``when``: see
+    _KILLED_DELETING): ``(path, the folder left aside)``."""
     path = tmp_path / "s.zarr"
     make_store(path, n_rows=96)
-    done = run_python(_KILLED_DELETING, str(path))
+    done = run_python(_KILLED_DELETING, str(path), when)
     assert done.returncode == -9, done.stderr
     (left,) = _asides(tmp_path)
-    assert sorted(q.name for q in left.iterdir()) == ["reductions", "rows"]
+    assert sorted(q.name for q in left.iterdir()) == ["reductions", "rows"]  # (no root document: no store)
+    return path, left
+
+
+@pytest.mark.parametrize("when", ["close", "commit"])
+@pytest.mark.parametrize("then", ["resume", "discard", "overwrite"])
+def test_what_a_killed_delete_of_the_old_store_left_is_named_and_deleted_by_the_next_writer(tmp_path, capsys,
+                                                                                           monkeypatch, when, then):
+    """SIGKILL while the old store is deleted in the background, after the new store committed:
+    the new store opens with its rows, and names what is left aside as a harmless leftover with
+    the command that removes it (``Store.leftovers()``, ``activationscope verify`` exits 0 with a
+    note); the next resume (closed, or discarded: the store left as found) or overwrite deletes
+    that folder, without a warning, and the close waits for it. Before, that folder stayed for good, a warning at each resume or overwrite."""
+    from activationscope import cli
+    from activationscope.store import writer as W
+
+    path, left = _killed_deleting(tmp_path, when)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a store with rows: nothing to say on opening)
+        s = open_store(path)
+    assert s.status == ("complete" if when == "close" else "incomplete") and s.verify() == []
+    assert s.hook_points == ["new.output"] and torch.equal(s["new.output"], torch.ones(32, FEATURE))
+    (line,) = s.leftovers()
+    assert line.startswith(f"folder '{left}': what is left of the store an overwrite=True replaced here") \
+        and "harmless" in line and line.endswith(f"rm -rf {shlex.quote(str(left))}"), line
+    assert cli.main(["verify", str(path)]) == 0
+    assert f"note: {path}: {line}" in capsys.readouterr().err
+    delete = W._delete_aside
+
+    def slow(p):  # (a large folder: a close that does not wait for the delete returns before it is done)
+        threading.Event().wait(1.0)
+        return delete(p)
+
+    monkeypatch.setattr(W, "_delete_aside", slow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = StoreWriter(path, **{"overwrite" if then == "overwrite" else "resume": True})
+        if then == "overwrite":  # (the store with rows goes aside, deleted once the new one commits)
+            w.open_array("new.output", (FEATURE,), torch.float32, "sample").append(torch.zeros(8, FEATURE))
+            w.add_batch(8)
+        w.discard() if then == "discard" else w.close()
+    assert _asides(tmp_path) == [] and not left.exists()
     s = open_store(path)
-    assert s.status == "complete" and s.hook_points == ["new.output"] and s.verify() == []
-    assert torch.equal(s["new.output"], torch.ones(32, FEATURE))
-    with pytest.warns(RuntimeWarning, match=rf"'{left}' holds what is left of a store.*root document is gone.*"
-                                            r"delete it"):
-        StoreWriter(path, resume=True).close()
-    assert open_store(path).status == "complete"
+    status = "incomplete" if then == "discard" and when == "commit" else "complete"
+    assert s.status == status and s.verify() == [] and s.leftovers() == []
+    rows = torch.zeros(8, FEATURE) if then == "overwrite" else torch.ones(32, FEATURE)
+    assert torch.equal(s["new.output"], rows)
+
+
+def test_a_failed_delete_of_what_was_left_aside_still_waits_for_the_old_store_s_delete(tmp_path, monkeypatch):
+    """An overwrite of a store with a folder left aside runs two deletes: that folder's, which
+    fails here (its warning raised: warnings are errors), and the replaced store's, slow. The
+    close raises the first warning only after the second delete is done, and releases the lock
+    (before, it raised at once, the other delete still running with the lock gone)."""
+    from activationscope.store import writer as W
+
+    path, left = _killed_deleting(tmp_path, "close")
+    rmtree = shutil.rmtree
+
+    def refused_or_slow(p, *args, ignore_errors=False, **kwargs):
+        if Path(p) == left:
+            if not ignore_errors:
+                raise PermissionError(13, "Permission denied", str(left / "rows"))
+            return None
+        if ".replaced-" in Path(p).name:  # (the store this overwrite replaces: a large one)
+            threading.Event().wait(1.0)
+        return rmtree(p, *args, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(W.shutil, "rmtree", refused_or_slow)
+    w = StoreWriter(path, overwrite=True)
+    (replaced,) = [p for p in _asides(tmp_path) if p != left]
+    w.open_array("new.output", (FEATURE,), torch.float32, "sample").append(torch.zeros(8, FEATURE))
+    w.add_batch(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match=rf"deleting what is left in '{left}' of a store an earlier "
+                                                 rf"overwrite=True replaced failed \(.*Permission denied.*\)"):
+            w.close()
+    assert not replaced.exists() and not w._writer_lock._held
+    assert sorted(q.name for q in left.iterdir()) == ["reductions", "rows"]
+    assert torch.equal(open_store(path)["new.output"], torch.zeros(8, FEATURE))
+
+
+def test_what_is_left_aside_beside_another_folder_or_entry_is_only_named(tmp_path):
+    """What cannot be told apart keeps the warning and deletes nothing: a second folder aside,
+    an entry of another name in the folder, or a store at the path that has committed no
+    forward (an unstarted store, as a killed overwrite leaves it)."""
+    path, left = _killed_deleting(tmp_path, "close")
+    held = _everything(left)
+    other = tmp_path / ".s.zarr.replaced-0000bbbb"
+    (other / "acts").mkdir(parents=True)
+    note = left / "NOTES.txt"
+    for case in ("two folders", "an entry", "unstarted"):
+        if case == "an entry":
+            shutil.rmtree(other)
+            note.write_text("mine")
+        if case == "unstarted":
+            note.unlink()
+            shutil.rmtree(path)
+            StoreWriter(path).abort()  # (its root of no forward; the writer's remove of it left out)
+        assert open_store(path).leftovers() == []
+        with pytest.warns(RuntimeWarning, match=r"holds what is left of a store.*root document is gone.*delete it"):
+            StoreWriter(path, resume=True).close()
+        assert _everything(left) == held | ({"NOTES.txt": b"mine"} if case == "an entry" else {})
 
 
 def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock(tmp_path, monkeypatch):
@@ -677,3 +779,58 @@ def test_an_abort_after_a_failed_delete_of_the_old_store_still_releases_the_lock
     assert sorted(q.name for q in aside.iterdir()) == ["acts", "reductions", "rows"]
     s = open_store(path)
     assert s.status == "incomplete" and torch.equal(s["new.output"], rows)
+
+
+# SIGKILL right after the first root document of the new store that lists a hook point (its
+# array with 0 rows: the forward is recorded, its shard not yet durable), before its first commit;
+# argv[2] "reduced": a capture that keeps reductions only, killed at its first root.
+_KILLED_LISTING = r"""
+import json, os, signal, sys
+import torch
+import activationscope as acs
+from activationscope.store import _backend as B
+
+path, kind = sys.argv[1], sys.argv[2]
+set_root = B.LocalBackend.set
+
+def set_then_die(self, key, data):
+    set_root(self, key, data)
+    if key == "zarr.json" and (kind == "reduced" or json.loads(data)["attributes"]["activationscope"]["arrays"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+B.LocalBackend.set = set_then_die
+model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+policy = {"reduction_policy": acs.ReductionPolicy.STREAMING, "reductions": ["mean"]} if kind == "reduced" else {}
+scope = acs.ActivationScope(store=path, store_options={"overwrite": True, "commit_interval": 0}, **policy)
+with scope.track(model), torch.no_grad():
+    model(torch.randn(8, 8))
+    model(torch.randn(8, 8))
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["rows", "reduced"])
+def test_a_store_killed_before_its_first_commit_names_the_old_store_aside_though_it_lists_hook_points(tmp_path,
+                                                                                                     kind):
+    """Killed after a root that lists the new store's hook points (0 rows each, no forward
+    committed): opening it warns, naming the folder that holds the old store, as for a root that
+    lists none (before, a root listing a hook point silenced the warning). A store that keeps
+    reductions only and lists reduced hook points, committing none, likewise."""
+    import json
+
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    done = run_python(_KILLED_LISTING, str(path), kind)
+    assert done.returncode == -9, done.stderr
+    (aside,) = _asides(tmp_path)
+    if kind == "reduced":  # (its hook point listed, with 0 rows reduced: as a commit that waits for the states)
+        doc = json.loads((path / "zarr.json").read_text())
+        attrs = doc["attributes"]["activationscope"]
+        assert attrs["rows_stored"] is False and attrs["n_batches"] == 0
+        attrs["reduced"] = {"0.output": {"row_kind": "sample", "feature_shape": [4], "dtype": "float32", "n_rows": 0}}
+        (path / "zarr.json").write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match=rf"holds no rows yet: an overwrite=True .* the store it replaces is in "
+                                         rf"'{aside}' until then"):
+        s = open_store(path)
+    assert s.hook_points == ["0.output"] and s.status == "incomplete" and s.n_samples == 0
+    assert torch.equal(open_store(aside)[HP], data)  # (whole, there)
