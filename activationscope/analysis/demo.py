@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ActivationScopeError, ArgumentValueError
 from ..sizes import dir_bytes, format_bytes
-from .capture_run import MAX_LENGTH, check_out, iter_text_batches, run_capture, text_batches
+from .capture_run import MAX_LENGTH, check_out, iter_text_batches, run_capture, text_batches, torchrun_ranks
 from .demo_assets import (  # noqa: F401 - the demo's model and data, importable from here as before
     LEE_FILE,
     MODEL_PACKAGE,
@@ -248,11 +248,20 @@ def run_demo(
     ArgumentValueError
         ``batch_size`` below 1; ``out`` a file, or a folder or Zarr node that is not an
         activationscope store, or a store the demo did not write (only a demo store is
-        replaced: its provenance ``command`` is ``activationscope demo``).
+        replaced: its provenance ``command`` is ``activationscope demo``); run by torchrun
+        on several ranks (:func:`~activationscope.analysis.capture_run.torchrun_ranks`: each
+        rank would write the same store); nothing is written.
     """
     from ..store import open_store
 
     out = os.fspath(out)
+    ranks = torchrun_ranks()
+    if ranks is not None:
+        raise ArgumentValueError(
+            f"the demo runs as one process, and it is run here on {ranks[1]} ranks (torchrun, or WORLD_SIZE "
+            f"{ranks[1]} in the environment), each of which would write {out!r}: run `activationscope demo` "
+            "without torchrun; for a capture on several ranks, run `activationscope capture` under torchrun "
+            "(docs/usage/distributed.md); nothing was written")
     if batch_size < 1:
         raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
     # a store or nothing: nothing else is replaced (the demo has no --overwrite to offer)
