@@ -1,0 +1,204 @@
+"""Models prepared by libraries that hook or replace a module's forward (accelerate, PEFT),
+checked against plain ``register_forward_hook``: a forward set on a tracked module while it is
+tracked (accelerate's ``add_hook_to_module`` / ``remove_hook_from_module``, an assignment)."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+import activationscope as acs
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU()
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _reference(model, names, xs):
+    """Outputs of ``names`` over ``xs`` by plain forward hooks: {hook point: [Tensor per call]}."""
+    mods = dict(model.named_modules())
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name):
+        return lambda m, a, o: got.setdefault(f"{name}.output", []).append(o.detach().clone())
+
+    handles = [mods[n].register_forward_hook(keep(n)) for n in names]
+    try:
+        with torch.no_grad():
+            for x in xs:
+                model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def _capture_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+
+
+def _restore_forward(module):
+    """Give ``module`` its class's forward again, as ``remove_hook_from_module`` does."""
+    module.forward = types.MethodType(type(module).forward, module)
+
+
+@pytest.mark.parametrize("how", ["remove_hook_from_module", "assignment"])
+def test_forward_replaced_while_tracked_is_named_in_a_warning(how):
+    # a tracked module whose forward was set again while tracked (accelerate's
+    # remove_hook_from_module puts back the forward its hook replaced) no longer ran the capture:
+    # its later calls went unrecorded, with no warning; now the end of the capture names it
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    torch.manual_seed(0)
+    model = MLP()
+    if how == "remove_hook_from_module":
+        accelerate_hooks.add_hook_to_module(model.fc1, accelerate_hooks.ModelHook())
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+            model(xs[0])
+            if how == "remove_hook_from_module":
+                accelerate_hooks.remove_hook_from_module(model.fc1)
+            else:
+                _restore_forward(model.fc1)
+            for x in xs[1:]:
+                model(x)
+    assert len(tracker.activations["fc1.output"]) == 1
+    assert len(tracker.activations["fc2.output"]) == 3
+    found = [w for w in _capture_warnings(caught) if "was replaced while it was tracked" in w]
+    assert len(found) == 1, _capture_warnings(caught)
+    assert "'fc1'" in found[0] and "'fc2'" not in found[0] and "fc1.output" in found[0]
+
+
+def test_forward_replaced_in_a_store_capture_names_the_cause(tmp_path):
+    # in a store the hook point left the row table with "its module returned no tensor there":
+    # the cause, its forward replaced while tracked, was not told
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 8)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+            model(x)
+            _restore_forward(model.fc1)
+            model(x)
+    lost = [w for w in _capture_warnings(caught) if "recorded 0 row(s) in forward 1" in w]
+    assert len(lost) == 1 and "'fc1.output'" in lost[0] and "was replaced while it was tracked" in lost[0]
+    store = acs.open_store(path)
+    assert store["fc1.output"].shape[0] == 5 and store["fc2.output"].shape[0] == 10
+
+
+def test_model_forward_replaced_in_a_store_capture_names_the_cause(tmp_path):
+    # accelerate's cpu_offload hooks the model itself too: remove_hook_from_module(model,
+    # recurse=True) while tracked put back its forward, so no later forward was captured, and the
+    # warning said that the tracked modules "were called on their own"
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.hooks import remove_hook_from_module
+
+    torch.manual_seed(0)
+    model = MLP()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    x = torch.randn(5, 8)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=path).track(model):
+            model(x)
+            remove_hook_from_module(model, recurse=True)
+            model(x)
+    outside = [w for w in _capture_warnings(caught) if "called on their own" in w]
+    assert len(outside) == 1 and "MLP's own forward was replaced while it was tracked" in outside[0]
+    replaced = [w for w in _capture_warnings(caught) if "forward of tracked module(s)" in w]
+    assert len(replaced) == 1 and "the model itself (MLP)" in replaced[0]
+    assert acs.open_store(path)["fc2.output"].shape[0] == 5
+
+
+def test_forward_wrapping_the_capture_keeps_recording_and_is_undone():
+    # accelerate hooks added to a tracked module (cpu_offload inside the block) keep the capture's
+    # forward as the one they call (_old_forward): the calls were recorded, but after the block
+    # remove_hook_from_module put the capture's forward back on the module, to stay there; now
+    # the tracker gives accelerate the module's own forward when it ends
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.hooks import remove_hook_from_module
+
+    torch.manual_seed(0)
+    model = MLP()
+    xs = [torch.randn(5, 8) for _ in range(2)]
+    ref = _reference(model, ["fc1", "fc2"], xs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+            model(xs[0])
+            accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+            model(xs[1])
+    assert not [w for w in _capture_warnings(caught) if "replaced" in w], _capture_warnings(caught)
+    for k in ("fc1.output", "fc2.output"):
+        assert len(tracker.activations[k]) == 2
+        assert all(torch.equal(a, b) for a, b in zip(tracker.activations[k], ref[k])), k
+    remove_hook_from_module(model, recurse=True)
+    # each module's forward is its class's again (accelerate sets it on the instance)
+    for m in model.modules():
+        forward = m.__dict__.get("forward")
+        assert forward is None or (isinstance(forward, types.MethodType) and forward.__func__ is type(m).forward)
+    with torch.no_grad():
+        assert torch.equal(model(xs[1]), ref["fc2.output"][1])
+    with torch.no_grad(), acs.ActivationScope().track(model) as again:  # the model is as it was
+        model(xs[0])
+    assert torch.equal(again.activations["fc2.output"][0], ref["fc2.output"][0])
+
+
+def _lora_bert():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32)
+    config = peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
+    return peft.get_peft_model(transformers.BertModel(cfg), config).eval()
+
+
+@pytest.mark.parametrize("adapter", ["unmerged", "merged", "disabled"])
+def test_peft_lora_hook_points_equal_forward_hooks(adapter):
+    model = _lora_bert()
+    query = "base_model.model.encoder.layer.0.attention.self.query"
+    names = [query, f"{query}.base_layer", f"{query}.lora_B.default", "base_model.model.encoder.layer.1.output.dense"]
+    x = torch.randint(0, 100, (3, 7))
+    if adapter == "merged":
+        model.merge_adapter()
+
+    def forward(inputs):
+        if adapter == "disabled":
+            with model.disable_adapter():
+                return model(input_ids=inputs)
+        return model(input_ids=inputs)
+
+    mods = dict(model.named_modules())
+    ref: dict[str, torch.Tensor] = {}
+    handles = [mods[n].register_forward_hook(lambda m, a, o, n=n: ref.__setitem__(f"{n}.output", o.clone()))
+               for n in names]
+    with torch.no_grad():
+        forward(x)
+    for h in handles:
+        h.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), acs.ActivationScope().track(model, include=names) as tracker:
+            forward(x)
+    # a merged or disabled adapter's lora_B is not called: it has no record
+    assert sorted(tracker.activations) == sorted(ref)
+    assert (f"{query}.lora_B.default.output" in ref) == (adapter == "unmerged")
+    for k, v in ref.items():
+        assert torch.equal(tracker.activations[k][0], v), k
+    if adapter == "unmerged":  # the adapter changes the query's output: the records tell them apart
+        assert not torch.equal(tracker.activations[f"{query}.output"][0], tracker.activations[f"{query}.base_layer.output"][0])
