@@ -202,3 +202,27 @@ def test_peft_lora_hook_points_equal_forward_hooks(adapter):
         assert torch.equal(tracker.activations[k][0], v), k
     if adapter == "unmerged":  # the adapter changes the query's output: the records tell them apart
         assert not torch.equal(tracker.activations[f"{query}.output"][0], tracker.activations[f"{query}.base_layer.output"][0])
+
+
+def test_peft_base_model_tracked_names_hook_points_as_in_the_model(tmp_path):
+    # track the model PeftModel wraps, call the PeftModel: hook points named as without PEFT
+    model = _lora_bert()
+    inner = model.get_base_model()
+    x = torch.randint(0, 100, (3, 7))
+    mask = torch.ones_like(x)
+    mask[0, 4:] = 0
+    ref = {}
+    handle = inner.encoder.layer[0].attention.self.query.register_forward_hook(lambda m, a, o: ref.setdefault("q", o.clone()))
+    with torch.no_grad():
+        model(input_ids=x, attention_mask=mask)
+    handle.remove()
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), acs.ActivationScope(store=path, rows="token").track(
+                inner, include=["encoder.layer.0.attention.self.query"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            model(input_ids=x, attention_mask=mask)
+    store = acs.open_store(path)
+    assert store.hook_points == ["encoder.layer.0.attention.self.query.output"]
+    assert torch.equal(store["encoder.layer.0.attention.self.query.output"], ref["q"][mask.bool()])
