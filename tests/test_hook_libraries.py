@@ -226,3 +226,14 @@ def test_peft_base_model_tracked_names_hook_points_as_in_the_model(tmp_path):
     store = acs.open_store(path)
     assert store.hook_points == ["encoder.layer.0.attention.self.query.output"]
     assert torch.equal(store["encoder.layer.0.attention.self.query.output"], ref["q"][mask.bool()])
+
+
+def test_peft_pattern_without_its_prefix_is_refused_with_the_names_to_write():
+    # a pattern of the model's own names matched nothing of a PeftModel, and the error listed its
+    # first module names only; now it gives the pattern with PEFT's prefix and get_base_model()
+    model = _lora_bert()
+    with pytest.raises(acs.HookPointNotFoundError) as caught:
+        acs.ActivationScope().track(model, include=["encoder.layer.*"])
+    message = str(caught.value)
+    assert "include=['base_model.model.encoder.layer.*']" in message
+    assert "model.get_base_model(), a BertModel" in message
