@@ -237,3 +237,33 @@ def test_peft_pattern_without_its_prefix_is_refused_with_the_names_to_write():
     message = str(caught.value)
     assert "include=['base_model.model.encoder.layer.*']" in message
     assert "model.get_base_model(), a BertModel" in message
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hugging_face_gradient_checkpointing_records_each_forward_once(tmp_path, reentrant):
+    # the recomputation of a checkpointed layer in backward runs its modules' forwards again
+    # (plain forward hooks see each call twice): the store keeps the forward's rows only
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    hp = "encoder.layer.1.intermediate.dense"
+    calls = []
+    handle = model.encoder.layer[1].intermediate.dense.register_forward_hook(
+        lambda m, a, o: calls.append(o.detach().clone()))
+    xs = [torch.randint(0, 100, (3, 7)) for _ in range(2)]
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with acs.ActivationScope(store=path, reductions=["mean"]).track(model, include=[hp]):
+            for x in xs:
+                model(input_ids=x).last_hidden_state.sum().backward()
+    handle.remove()
+    assert len(calls) == 4  # forward, recomputation, forward, recomputation
+    want = torch.cat([calls[0], calls[2]])
+    store = acs.open_store(path)
+    assert torch.equal(store[f"{hp}.output"], want)
+    assert torch.allclose(store.reductions[f"{hp}.output"]["mean"], want.double().mean(0))
