@@ -267,3 +267,26 @@ def test_hugging_face_gradient_checkpointing_records_each_forward_once(tmp_path,
     store = acs.open_store(path)
     assert torch.equal(store[f"{hp}.output"], want)
     assert torch.allclose(store.reductions[f"{hp}.output"]["mean"], want.double().mean(0))
+
+
+def test_accelerator_prepare_while_tracked_unwraps_to_the_models_own_forward():
+    # Accelerator.prepare with mixed precision inside the block keeps the capture's forward as
+    # the model's _original_forward: the forwards were recorded, but unwrapping the model after
+    # the block (keep_fp32_wrapper=False) set the capture's forward on it for good
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import extract_model_from_parallel
+
+    torch.manual_seed(0)
+    model = MLP()
+    xs = [torch.randn(5, 8) for _ in range(2)]
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+        model(xs[0])
+        accelerator.prepare(model)
+        model(xs[1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(tracker.activations["fc2.output"][1], model.fc2(model.act(model.fc1(xs[1]))))
+    assert len(tracker.activations["fc1.output"]) == 2
+    unwrapped = extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    forward = unwrapped.__dict__.get("forward")
+    assert forward is None or (isinstance(forward, types.MethodType) and forward.__func__ is MLP.forward)
