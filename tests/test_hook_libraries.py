@@ -290,3 +290,26 @@ def test_accelerator_prepare_while_tracked_unwraps_to_the_models_own_forward():
     unwrapped = extract_model_from_parallel(model, keep_fp32_wrapper=False)
     forward = unwrapped.__dict__.get("forward")
     assert forward is None or (isinstance(forward, types.MethodType) and forward.__func__ is MLP.forward)
+
+
+def test_peft_tuner_the_forward_passes_over_is_named_with_its_reason():
+    # a PeftModel without a task type calls the model itself, not its tuner (base_model, a
+    # LoraModel): tracking every module warned "never called, or it returned / received no
+    # tensor" about it at every capture; now the warning says why and what to write
+    model = _lora_bert()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+            model(input_ids=torch.randint(0, 100, (3, 7)))
+    silent = [w for w in _capture_warnings(caught) if "recorded nothing" in w]
+    assert len(silent) == 1
+    assert ("'base_model' (LoraModel): PEFT's tuner around the model, which the forward of PeftModel passes over "
+            "(it calls the model, 'base_model.model', itself); exclude=['base_model'], or track "
+            "model.get_base_model() instead") in silent[0]
+    assert "base_model.model.encoder.layer.1.output.dense.output" in tracker.activations
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model, exclude=["base_model"]) as tracker:
+            model(input_ids=torch.randint(0, 100, (3, 7)))
+    assert not [w for w in _capture_warnings(caught) if "'base_model'" in w]
+    assert "base_model.model.encoder.layer.1.output.dense.output" in tracker.activations

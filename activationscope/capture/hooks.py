@@ -27,7 +27,8 @@ from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPoint
                       warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type", "named_modules"]
+           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type", "named_modules",
+           "peft_holds"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -664,7 +665,7 @@ def _without_wrappers_of(model: torch.nn.Module, name: str) -> str:
                 part != "module" or isinstance(holder, _DATA_PARALLEL) or list(holder._modules) == ["module"]):
             holder = child
             continue
-        if _peft_holds(holder, part, child):
+        if peft_holds(holder, part, child):
             holder = child
             continue
         kept.append(part)
@@ -675,7 +676,7 @@ def _without_wrappers_of(model: torch.nn.Module, name: str) -> str:
 _DATA_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
-def _peft_holds(holder: torch.nn.Module | None, part: str, child: Any) -> bool:
+def peft_holds(holder: torch.nn.Module | None, part: str, child: Any) -> bool:
     """Whether ``part`` of a name is PEFT's wrapping, not the model's: a ``PeftModel`` holds its
     tuner as ``base_model``, which holds the model as ``model`` (both have ``peft_config``)."""
     return (part in ("base_model", "model") and isinstance(child, torch.nn.Module)

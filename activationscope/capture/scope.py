@@ -36,7 +36,7 @@ from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueErro
                       HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, StoreLockedError,
                       docs_page, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
-                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
+                    bracket_hint, normalize_patterns, pattern_selects, peft_holds, rename_hook_point, select_modules,
                     without_wrappers, wrapper_hint)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
@@ -4662,6 +4662,10 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if peft_holds(parent, name.rpartition(".")[2], module) and name.rpartition(".")[2] == "base_model":
+        return (f"{name!r} ({type(module).__name__}): PEFT's tuner around the model, which the forward of "
+                f"{type(parent).__name__} passes over (it calls the model, {name + '.model'!r}, itself); "
+                f"exclude={[name]!r}, or track model{'.' + parent_name if parent_name else ''}.get_base_model() instead")
     if never_called_type(module):
         return (f"{name!r} ({type(module).__name__}): its parent never calls it (it holds the parent's packed "
                 f"weights, or a torch.export input check); track {parent_name!r} instead")
