@@ -313,3 +313,39 @@ def test_peft_tuner_the_forward_passes_over_is_named_with_its_reason():
             model(input_ids=torch.randint(0, 100, (3, 7)))
     assert not [w for w in _capture_warnings(caught) if "'base_model'" in w]
     assert "base_model.model.encoder.layer.1.output.dense.output" in tracker.activations
+
+
+def test_peft_generate_is_captured_through_the_model_it_wraps(tmp_path):
+    # PeftModelForCausalLM.generate() calls the wrapped model's generate(), never the PeftModel's
+    # forward: a store capture of the PeftModel failed with "call the model inside the `with`
+    # block"; now the error says that its modules ran outside its forward and what to track
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", init_lora_weights=False)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), config).eval()
+    x = torch.randint(1, 100, (2, 6))
+
+    def generate():
+        return model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
+                              pad_token_id=0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(acs.CaptureError, match=r"its tracked modules were called 3 time\(s\), all outside a "
+                           r"forward of PeftModelForCausalLM.*\(peft_model.get_base_model\(\)\)"):
+            with torch.no_grad(), acs.ActivationScope(store=tmp_path / "a.zarr", rows="token").track(
+                    model, include=["base_model.model.model.layers.1.mlp"]):
+                generate()
+        steps = []
+        handle = model.get_base_model().model.layers[1].mlp.register_forward_hook(lambda m, a, o: steps.append(o.clone()))
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "b.zarr", rows="token").track(
+                model.get_base_model(), include=["model.layers.1.mlp"]) as tracker:
+            tracker.set_batch(sample_ids=[0, 1])
+            generate()
+        handle.remove()
+    store = acs.open_store(tmp_path / "b.zarr")
+    assert torch.equal(store["model.layers.1.mlp.output"], torch.cat([s.reshape(-1, 16) for s in steps]))
+    assert store["model.layers.1.mlp.output"].shape == (2 * 6 + 2 * 2, 16)  # the prompt's tokens, 2 steps of 2

@@ -1849,6 +1849,18 @@ class Tracker:
                             f"before their end (the exception was caught inside the `with` block), {fate}; fix "
                             "the error the model raised (or let it leave the block to see it)"
                         )
+                    outside = int(self._core.outside_calls)
+                    if outside and not self._forward_replaced(""):
+                        # (the modules ran, the model's forward did not: a method of a wrapper calling
+                        # the model it wraps, as PeftModel.generate() calls the wrapped model's generate())
+                        raise CaptureError(
+                            f"the capture into {self.writer.path!r} captured no forward of "
+                            f"{type(self.model).__name__}, {fate}: its tracked modules were called {outside} "
+                            f"time(s), all outside a forward of {type(self.model).__name__}, by a method that calls "
+                            "them without its forward (PEFT's PeftModel.generate() calls the wrapped model's "
+                            "generate()). Track the model whose forward that method calls "
+                            "(peft_model.get_base_model()), or call the tracked model itself"
+                        )
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
                         f"{type(self.model).__name__}, {fate}; "
