@@ -201,7 +201,8 @@ def test_peft_lora_hook_points_equal_forward_hooks(adapter):
     for k, v in ref.items():
         assert torch.equal(tracker.activations[k][0], v), k
     if adapter == "unmerged":  # the adapter changes the query's output: the records tell them apart
-        assert not torch.equal(tracker.activations[f"{query}.output"][0], tracker.activations[f"{query}.base_layer.output"][0])
+        assert not torch.equal(tracker.activations[f"{query}.output"][0],
+                               tracker.activations[f"{query}.base_layer.output"][0])
 
 
 def test_peft_base_model_tracked_names_hook_points_as_in_the_model(tmp_path):
@@ -212,7 +213,8 @@ def test_peft_base_model_tracked_names_hook_points_as_in_the_model(tmp_path):
     mask = torch.ones_like(x)
     mask[0, 4:] = 0
     ref = {}
-    handle = inner.encoder.layer[0].attention.self.query.register_forward_hook(lambda m, a, o: ref.setdefault("q", o.clone()))
+    handle = inner.encoder.layer[0].attention.self.query.register_forward_hook(
+        lambda m, a, o: ref.setdefault("q", o.clone()))
     with torch.no_grad():
         model(input_ids=x, attention_mask=mask)
     handle.remove()
@@ -340,7 +342,8 @@ def test_peft_generate_is_captured_through_the_model_it_wraps(tmp_path):
                     model, include=["base_model.model.model.layers.1.mlp"]):
                 generate()
         steps = []
-        handle = model.get_base_model().model.layers[1].mlp.register_forward_hook(lambda m, a, o: steps.append(o.clone()))
+        handle = model.get_base_model().model.layers[1].mlp.register_forward_hook(
+            lambda m, a, o: steps.append(o.clone()))
         with torch.no_grad(), acs.ActivationScope(store=tmp_path / "b.zarr", rows="token").track(
                 model.get_base_model(), include=["model.layers.1.mlp"]) as tracker:
             tracker.set_batch(sample_ids=[0, 1])

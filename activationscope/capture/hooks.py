@@ -27,8 +27,8 @@ from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPoint
                       warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type", "named_modules",
-           "peft_holds"]
+           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type",
+           "named_modules", "peft_holds"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -679,8 +679,8 @@ _DATA_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParall
 def peft_holds(holder: torch.nn.Module | None, part: str, child: Any) -> bool:
     """Whether ``part`` of a name is PEFT's wrapping, not the model's: a ``PeftModel`` holds its
     tuner as ``base_model``, which holds the model as ``model`` (both have ``peft_config``)."""
-    return (part in ("base_model", "model") and isinstance(child, torch.nn.Module)
-            and hasattr(holder, "peft_config") and (part == "model" or callable(getattr(holder, "get_base_model", None))))
+    return (part in ("base_model", "model") and isinstance(child, torch.nn.Module) and hasattr(holder, "peft_config")
+            and (part == "model" or callable(getattr(holder, "get_base_model", None))))
 
 
 def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str, noun: str = "modules",

@@ -4677,7 +4677,8 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if peft_holds(parent, name.rpartition(".")[2], module) and name.rpartition(".")[2] == "base_model":
         return (f"{name!r} ({type(module).__name__}): PEFT's tuner around the model, which the forward of "
                 f"{type(parent).__name__} passes over (it calls the model, {name + '.model'!r}, itself); "
-                f"exclude={[name]!r}, or track model{'.' + parent_name if parent_name else ''}.get_base_model() instead")
+                f"exclude={[name]!r}, or track model{'.' + parent_name if parent_name else ''}.get_base_model() "
+                "instead")
     if never_called_type(module):
         return (f"{name!r} ({type(module).__name__}): its parent never calls it (it holds the parent's packed "
                 f"weights, or a torch.export input check); track {parent_name!r} instead")
