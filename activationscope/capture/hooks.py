@@ -27,7 +27,8 @@ from ..errors import (ArgumentTypeError, CaptureError, CaptureWarning, HookPoint
                       warn_at_caller)
 
 __all__ = ["select_modules", "hook_point_module", "normalize_patterns", "is_hook_point_module", "rename_hook_point",
-           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type", "named_modules"]
+           "pattern_hits", "pattern_selects", "bracket_hint", "block_stacks", "block_modules", "never_called_type",
+           "named_modules", "peft_holds"]
 
 
 def pattern_hits(pattern: str, names: Iterable[str]) -> list[str]:
@@ -664,12 +665,22 @@ def _without_wrappers_of(model: torch.nn.Module, name: str) -> str:
                 part != "module" or isinstance(holder, _DATA_PARALLEL) or list(holder._modules) == ["module"]):
             holder = child
             continue
+        if peft_holds(holder, part, child):
+            holder = child
+            continue
         kept.append(part)
         holder = child if isinstance(child, torch.nn.Module) else None
     return ".".join(kept)
 
 
 _DATA_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
+
+def peft_holds(holder: torch.nn.Module | None, part: str, child: Any) -> bool:
+    """Whether ``part`` of a name is PEFT's wrapping, not the model's: a ``PeftModel`` holds its
+    tuner as ``base_model``, which holds the model as ``model`` (both have ``peft_config``)."""
+    return (part in ("base_model", "model") and isinstance(child, torch.nn.Module) and hasattr(holder, "peft_config")
+            and (part == "model" or callable(getattr(holder, "get_base_model", None))))
 
 
 def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argument: str, noun: str = "modules",
@@ -702,6 +713,9 @@ def wrapper_hint(model: torch.nn.Module, pattern: str, names: list[str], argumen
     if inner is not None:
         hint += (f", or track the wrapped model itself (model.{inner}, a {type(model._modules[inner]).__name__}): its "
                  "hook points are then named as without the wrapper")
+    elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        hint += (f", or track the model it wraps (model.get_base_model(), a {type(model.get_base_model()).__name__}) "
+                 "and call the PeftModel as usual: its hook points are then named as without PEFT")
     return hint
 
 

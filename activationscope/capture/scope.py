@@ -36,7 +36,7 @@ from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueErro
                       HookPointNotFoundError, ReductionError, StoreError, StoreExistsError, StoreLockedError,
                       docs_page, names_repr, warn_at_caller)
 from .hooks import (check_column, hook_point_module, is_hook_point_module, named_modules, never_called_type,
-                    bracket_hint, normalize_patterns, pattern_selects, rename_hook_point, select_modules,
+                    bracket_hint, normalize_patterns, pattern_selects, peft_holds, rename_hook_point, select_modules,
                     without_wrappers, wrapper_hint)
 from .results import HookPointResults, ReductionResults, main_result_key
 from .writer import check_writer_options, merges_reductions, open_writer, writer_options
@@ -46,6 +46,10 @@ _C = _native.load()
 # counter: a forward whose value differs from the last one's had a hook registered before it
 _RemovableHandle = torch.utils.hooks.RemovableHandle
 _FORWARD_HOOKS = operator.attrgetter("_forward_hooks")  # a module's forward hooks: {handle id: hook}
+# where accelerate keeps the forward it replaces on an instance: add_hook_to_module's
+# `_old_forward` (cpu_offload, dispatch_model, ...) and Accelerator.prepare's `_original_forward`
+_KEPT_FORWARD_ATTRS = ("_old_forward", "_original_forward")
+_MAX_UNWRAP = 16  # forwards wrapping forwards followed (`__wrapped__`, `__func__`, a partial's `func`)
 compiled.install()  # the in-graph path of a torch.compile'd tracked model
 
 
@@ -1016,6 +1020,9 @@ class Tracker:
         self._hook_probes_done = False
         self._hook_probes_done_compiled = False
         self._warned_outside = False
+        # tracked modules ("" the model) whose forward was replaced while tracked by one that no
+        # longer runs the capture (noted when the wrappers come off)
+        self._replaced: list[str] = []
         # hook points whose custom reductions' accumulator dtype is still to be looked at
         # (_warn_half_accumulators)
         self._half_pending: set[str] = set()
@@ -1612,6 +1619,12 @@ class Tracker:
                     object.__delattr__(module, "forward")
                 else:
                     object.__setattr__(module, "forward", prior)
+            elif wrapper.n_sites == 0:
+                # a forward set on the module while tracked (accelerate's hooks) that calls the
+                # wrapper as the forward it replaced: it gets the forward the wrapper replaced
+                for attr in _KEPT_FORWARD_ATTRS:
+                    if module.__dict__.get(attr) is wrapper:
+                        object.__setattr__(module, attr, wrapper.__wrapped__)
             self._installed.pop()
 
     def remove(self) -> None:
@@ -1705,6 +1718,8 @@ class Tracker:
         self._remove_hook_probes()
         self._remove_train_probes()
         self._train_phase = ""
+        if self._installed:
+            self._replaced = self._replaced_forwards()
         self._uninstall_all()
         while self._nn_handles:
             self._nn_handles[-1].remove()  # (removed before it leaves the list: see _uninstall_all)
@@ -1723,6 +1738,23 @@ class Tracker:
         self._release_modules()
         return left
 
+    def _replaced_forwards(self) -> list[str]:
+        """Names of the tracked modules (``""``: the model itself) whose forward was replaced,
+        while tracked, by one that no longer runs the capture (:func:`_runs_wrapper`): their
+        calls since were not recorded."""
+        names = {id(self.model): "", **{id(m): n for n, m in self._modules}}
+        replaced = {names.get(id(module), type(module).__name__) for module, wrapper, _ in self._installed
+                    if not _runs_wrapper(module, wrapper)}
+        return sorted(replaced)
+
+    def _forward_replaced(self, module_name: str) -> bool:
+        """Whether the tracked module ``module_name`` (``""``: the model) had its forward replaced
+        while tracked (:meth:`_replaced_forwards`), looked at now while attached."""
+        if not self._installed:
+            return module_name in self._replaced
+        module = self.model if not module_name else self._module_by_name().get(module_name)
+        return any(m is module and not _runs_wrapper(m, w) for m, w, _ in self._installed)
+
     def _warn_outside_calls(self) -> None:
         """Warn once when tracked modules were called on their own (outside a forward of the
         tracked model) during a store capture: those calls are not recorded."""
@@ -1733,7 +1765,11 @@ class Tracker:
                 f"tracked modules of {type(self.model).__name__} were called on their own, outside a forward of the "
                 f"tracked model ({n} call(s) so far): a store records forwards of the tracked model only (row i of "
                 "each array is row i of its row table, one entry per sample of a forward), so those calls were not "
-                "recorded. Call the tracked model, or track the module you call (scope.track(that module))",
+                "recorded. "
+                + (f"{type(self.model).__name__}'s own forward was replaced while it was tracked (an assignment to "
+                   "model.forward, as accelerate's remove_hook_from_module makes), so its forwards since are not "
+                   "captured: prepare the model before attaching the tracker" if self._forward_replaced("") else
+                   "Call the tracked model, or track the module you call (scope.track(that module))"),
                 CaptureWarning,
             )
 
@@ -1812,6 +1848,18 @@ class Tracker:
                             f"{type(self.model).__name__}: the {self._n_raised} forward(s) it captured raised "
                             f"before their end (the exception was caught inside the `with` block), {fate}; fix "
                             "the error the model raised (or let it leave the block to see it)"
+                        )
+                    outside = int(self._core.outside_calls)
+                    if outside and not self._forward_replaced(""):
+                        # (the modules ran, the model's forward did not: a method of a wrapper calling
+                        # the model it wraps, as PeftModel.generate() calls the wrapped model's generate())
+                        raise CaptureError(
+                            f"the capture into {self.writer.path!r} captured no forward of "
+                            f"{type(self.model).__name__}, {fate}: its tracked modules were called {outside} "
+                            f"time(s), all outside a forward of {type(self.model).__name__}, by a method that calls "
+                            "them without its forward (PEFT's PeftModel.generate() calls the wrapped model's "
+                            "generate()). Track the model whose forward that method calls "
+                            "(peft_model.get_base_model()), or call the tracked model itself"
                         )
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} captured no forward of "
@@ -1925,6 +1973,17 @@ class Tracker:
         return silent
 
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
+        if self._replaced and self._n_captured:
+            hook_points = sorted(h for h in self._sinks if self._module_of(h) in self._replaced)
+            warn_at_caller(
+                f"the forward of tracked module(s) {_replaced_message(self._replaced, self.model)} was replaced while "
+                "it was tracked, by one that no longer runs the capture (an assignment to module.forward, as "
+                "accelerate's add_hook_to_module / remove_hook_from_module make): their calls since were not "
+                f"recorded, so the records of hook points {_names(hook_points)} end there. Prepare the model "
+                "(dispatch_model, cpu_offload, hooks that set forward) before attaching the tracker, or attach a "
+                "tracker again after",
+                CaptureWarning,
+            )
         unused = [p for p in self._skip_patterns or () if self._n_captured
                   and not any(pattern_selects(p, h, self._hook_names) for h in self._skipped_hook_points)]
         if unused:
@@ -3516,9 +3575,15 @@ class Tracker:
             got, expected = lost[name]
             first = self._shared_rows.get(name)
             shared = got == 1 < expected and first is not None
+            replaced = got == 0 and self._forward_replaced(self._module_of(name))
             warn_at_caller(
                 f"hook point {name!r} recorded {got} row(s) in forward {k} of the tracked model, where the row "
-                f"table got {expected} (its module returned no tensor there, or another number of rows): from "
+                f"table got {expected} ("
+                + ("its module's forward was replaced while it was tracked, by one that no longer runs the capture: "
+                   "an assignment to module.forward, as accelerate's add_hook_to_module / remove_hook_from_module "
+                   "make; prepare the model before attaching the tracker" if replaced else
+                   "its module returned no tensor there, or another number of rows")
+                + "): from "
                 f"there on its store rows no longer follow the sample row table (store.follows_row_table({name!r}) "
                 "is False; its rows are read by their own index, without sample ids or columns). "
                 + (f"Its activation {first} is one tensor shared by the batch's samples (its first dimension 1 is "
@@ -4612,6 +4677,11 @@ def _silent_reason(name: str, module: torch.nn.Module, model: torch.nn.Module) -
     if isinstance(parent, torch.nn.MultiheadAttention) and name.endswith("out_proj"):
         return (f"{name!r}: nn.MultiheadAttention uses its weights directly and never calls it; track "
                 f"{parent_name!r} instead (hook point {(parent_name + '.' if parent_name else '') + 'output.0'!r})")
+    if peft_holds(parent, name.rpartition(".")[2], module) and name.rpartition(".")[2] == "base_model":
+        return (f"{name!r} ({type(module).__name__}): PEFT's tuner around the model, which the forward of "
+                f"{type(parent).__name__} passes over (it calls the model, {name + '.model'!r}, itself); "
+                f"exclude={[name]!r}, or track model{'.' + parent_name if parent_name else ''}.get_base_model() "
+                "instead")
     if never_called_type(module):
         return (f"{name!r} ({type(module).__name__}): its parent never calls it (it holds the parent's packed "
                 f"weights, or a torch.export input check); track {parent_name!r} instead")
@@ -4643,6 +4713,34 @@ def _transformer_lens_switch(name: str, model: torch.nn.Module | None) -> tuple[
         if any(name == x or name.endswith("." + x) for x in suffixes):
             return (flag, setter) if getattr(cfg, flag, None) is False else None
     return None
+
+
+def _runs_wrapper(module: torch.nn.Module, wrapper: Any) -> bool:
+    """Whether a call of ``module`` still runs the capture's ``wrapper``: it is the module's
+    forward, or a forward set on the module since keeps it as the one it calls (accelerate's
+    ``_old_forward`` / ``_original_forward``, ``__wrapped__`` of ``functools.wraps``). False once
+    the forward was replaced by one that does not (``remove_hook_from_module`` putting back the
+    forward its hook replaced, an assignment to ``module.forward``)."""
+    found = module.__dict__
+    if any(found.get(attr) is wrapper for attr in ("forward", *_KEPT_FORWARD_ATTRS)):
+        return True
+    forward = found.get("forward")
+    for _ in range(_MAX_UNWRAP):
+        if forward is None:
+            return False
+        if forward is wrapper:
+            return True
+        try:
+            forward = next((f for f in (getattr(forward, a, None) for a in ("__wrapped__", "__func__", "func"))
+                            if f is not None), None)
+        except Exception:  # noqa: BLE001 - an object whose attributes raise otherwise: not followed
+            return False
+    return False
+
+
+def _replaced_message(names: list[str], model: torch.nn.Module) -> str:
+    """The tracked modules ``names`` (``""``: the model itself) as a warning names them."""
+    return ", ".join(f"the model itself ({type(model).__name__})" if not n else repr(n) for n in names)
 
 
 def _silent_message(silent: list[tuple[str, torch.nn.Module]], model: torch.nn.Module | None = None) -> str:
