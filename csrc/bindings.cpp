@@ -373,6 +373,7 @@ void bind_capture(py::module_& m) {
       .def("set_one_layout", &Sink::set_one_layout, py::arg("on"))
       .def("set_keep_forward_start", &Sink::set_keep_forward_start, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("rollback_forward", &Sink::rollback_forward, py::arg("forward"), py::call_guard<ReleaseGil>())
+      .def("wait_reductions", &Sink::wait_reductions, py::call_guard<ReleaseGil>())
       .def_property_readonly("has_writer", &Sink::has_writer)
       .def_property_readonly("row_kind", &Sink::row_kind)
       .def_property_readonly("n_rows", &Sink::n_rows)
