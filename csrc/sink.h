@@ -143,7 +143,9 @@ class Sink {
   // call in each root forward (claimed_forward; Reduction::checkpoint), and its row count then,
   // so that a forward the store leaves out (one that raised, the last of the capture) can be
   // taken out of the reductions too (rollback_forward). Costs a copy of the in-place updated
-  // states (mean, var, min, ...: a few feature vectors) per hook point and forward.
+  // states (mean, var, min, ...: a few feature vectors) per hook point and forward; on a device
+  // (CUDA) no copy, but the state before the forward stays allocated until the next forward's
+  // first call (an update there makes its new state next to the old one anyway).
   void set_keep_forward_start(bool on);
   // Put the reductions and n_rows back as they were before this sink's first call in root
   // forward `forward`; true when it was called in that forward (and so was put back), false
