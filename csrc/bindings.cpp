@@ -85,6 +85,18 @@ class PyReduction : public Reduction {
     }
     Reduction::restore_checkpoint();
   }
+  // (likewise the eager reduction's undo_update, which puts its made_nonfinite flags back too)
+  void undo_update(const NamedTensors& before) override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Reduction*>(this), "undo_update");
+    if (f) {
+      py::dict d;
+      for (const auto& kv : before) d[py::str(kv.first)] = kv.second;
+      f(d);
+      return;
+    }
+    Reduction::undo_update(before);
+  }
   std::string kind() const override {
     py::gil_scoped_acquire gil;
     return py::str(py::getattr(self(), "kind")).cast<std::string>();
