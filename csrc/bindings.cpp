@@ -85,6 +85,18 @@ class PyReduction : public Reduction {
     }
     Reduction::restore_checkpoint();
   }
+  // (likewise the eager reduction's undo_update, which puts its made_nonfinite flags back too)
+  void undo_update(const NamedTensors& before) override {
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(static_cast<const Reduction*>(this), "undo_update");
+    if (f) {
+      py::dict d;
+      for (const auto& kv : before) d[py::str(kv.first)] = kv.second;
+      f(d);
+      return;
+    }
+    Reduction::undo_update(before);
+  }
   std::string kind() const override {
     py::gil_scoped_acquire gil;
     return py::str(py::getattr(self(), "kind")).cast<std::string>();
@@ -373,6 +385,7 @@ void bind_capture(py::module_& m) {
       .def("set_one_layout", &Sink::set_one_layout, py::arg("on"))
       .def("set_keep_forward_start", &Sink::set_keep_forward_start, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("rollback_forward", &Sink::rollback_forward, py::arg("forward"), py::call_guard<ReleaseGil>())
+      .def("wait_reductions", &Sink::wait_reductions, py::call_guard<ReleaseGil>())
       .def_property_readonly("has_writer", &Sink::has_writer)
       .def_property_readonly("row_kind", &Sink::row_kind)
       .def_property_readonly("n_rows", &Sink::n_rows)

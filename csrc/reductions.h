@@ -55,6 +55,11 @@ class Reduction {
   virtual void checkpoint() { checkpoint_ = state(); }
   virtual void restore_checkpoint() { load_state(checkpoint_); }
 
+  // Put back the state before the last update(), `before` (state() taken just before it):
+  // update_reductions does when a later custom reduction of the hook point refuses the batch.
+  // The default loads it; a custom reduction also puts back what made_nonfinite knew then.
+  virtual void undo_update(const NamedTensors& before) { load_state(before); }
+
   // The kind ("mean", "var", ..., "script") and the options it was made with.
   virtual std::string kind() const = 0;
   virtual ReductionOptions options() const = 0;

@@ -1177,7 +1177,7 @@ void update_reductions(const std::vector<std::shared_ptr<Reduction>>& reductions
     try {
       custom[i]->update(rows, row_offset);
     } catch (...) {
-      for (size_t j = 0; j < i; ++j) custom[j]->load_state(before[j]);
+      for (size_t j = 0; j < i; ++j) custom[j]->undo_update(before[j]);
       throw;
     }
   }

@@ -55,6 +55,11 @@ class ScriptReduction : public Reduction {
     // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
     // an accumulator, works on a copy, so that what is put back is untouched.
     const bool copy = in_place_ || !seen_ || acc_needs_copy();  // (before `kept` shares it)
+    undo_from_state_ = acc_from_state_;  // (undo_update)
+    undo_rows_device_ = rows_device_;
+    undo_made_ = made_;
+    undo_made_dev_ = made_dev_;
+    undo_acc_finite_ = acc_finite_;
     const at::Tensor kept = acc_;
     if (copy) copy_acc();
     const at::Tensor acc_in = acc_;
@@ -193,6 +198,15 @@ class ScriptReduction : public Reduction {
     made_dev_ = saved_made_dev_;
     acc_finite_ = saved_acc_finite_;
   }
+  // (the accumulator from `before`, the rest as the last update found it)
+  void undo_update(const NamedTensors& before) override {
+    load_state(before);
+    acc_from_state_ = undo_from_state_;
+    rows_device_ = undo_rows_device_;
+    made_ = undo_made_;  // (NaN or inf the batch taken out made is not in the state either)
+    made_dev_ = undo_made_dev_;
+    acc_finite_ = undo_acc_finite_;
+  }
   std::shared_ptr<Reduction> fresh() const override {
     return std::make_shared<ScriptReduction>(path_, opts_, module_, name_);
   }
@@ -287,6 +301,12 @@ class ScriptReduction : public Reduction {
   bool saved_made_ = false;
   at::Tensor saved_made_dev_;
   at::Tensor saved_acc_finite_;
+  // (undo_update) what the last update found
+  bool undo_from_state_ = false;
+  std::optional<c10::Device> undo_rows_device_;
+  bool undo_made_ = false;
+  at::Tensor undo_made_dev_;
+  at::Tensor undo_acc_finite_;
 };
 
 }  // namespace

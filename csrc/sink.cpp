@@ -228,6 +228,14 @@ bool is_token_rows(const at::Tensor& x, const at::Tensor& token_mask) {
          x.size(1) == token_mask.size(1);
 }
 
+// `waiter` waits (on the device) for the work queued so far on `done`; the host does not wait.
+void stream_waits(const c10::Stream& done, const c10::Stream& waiter) {
+  if (done == waiter || done.device_type() != waiter.device_type()) return;
+  c10::Event event(done.device_type());
+  event.record(done);
+  event.block(waiter);
+}
+
 std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst) {
   // 1. Snapshot on the device, on the compute stream: ordered before any later in-place op
   //    of the model on that stream, and fast (device bandwidth).
@@ -868,8 +876,15 @@ NamedTensors Sink::reduction_result(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   ACS_CHECK(index >= 0 && index < static_cast<int64_t>(reductions_.size()), "hook point '", name_,
             "' has ", reductions_.size(), " reduction(s), no reduction ", index);
+  wait_reductions_locked();  // (the copies below run on the current stream)
   NamedTensors out = reductions_[index]->result();
   for (auto& kv : out) kv.second = kv.second.clone();
+  if (reduce_stream_) {
+    // and the reductions' stream waits for these copies: its next update frees the accumulators
+    // read here, whose memory that stream may then reuse
+    c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
+    stream_waits(impl.getStream(reduce_stream_->device()), *reduce_stream_);
+  }
   return out;
 }
 
@@ -900,6 +915,17 @@ class NoAutocast {
 
 }  // namespace
 
+void Sink::wait_reductions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_reductions_locked();
+}
+
+void Sink::wait_reductions_locked() {
+  if (!reduce_stream_) return;
+  c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
+  stream_waits(*reduce_stream_, impl.getStream(reduce_stream_->device()));
+}
+
 void Sink::set_keep_forward_start(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
   keep_forward_start_ = on;
@@ -923,6 +949,33 @@ void Sink::reduce(const at::Tensor& rows) {
     start_rows_ = n_rows_;
     start_forward_ = claimed_forward_;
   }
+  std::optional<c10::Stream> before;  // (the stream the accumulators were made on, when another)
+  if (rows.is_cuda() && !reductions_.empty()) {
+    // The accumulators were last made on reduce_stream_: an update on another stream (a forward
+    // under another torch.cuda.stream) reads them only once that stream's kernels are done.
+    c10::impl::VirtualGuardImpl impl(rows.device().type());
+    const c10::Stream now = impl.getStream(rows.device());
+    if (reduce_stream_ && *reduce_stream_ != now) {
+      before = reduce_stream_;
+      stream_waits(*before, now);
+    }
+    reduce_stream_ = now;
+  }
+  // ... and that stream waits for the update: the accumulators it replaced go back to the
+  // allocator, which may hand their memory to that stream's next kernels
+  auto release_before = [&] {
+    if (before) stream_waits(*reduce_stream_, *before);
+  };
+  try {
+    run_reductions(rows);
+  } catch (...) {
+    release_before();
+    throw;
+  }
+  release_before();
+}
+
+void Sink::run_reductions(const at::Tensor& rows) {
   try {
     NoAutocast no_autocast;
     update_reductions(reductions_, rows, row_base_ + n_rows_);

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <c10/util/SmallVector.h>
 
 #include <atomic>
@@ -142,12 +143,20 @@ class Sink {
   // call in each root forward (claimed_forward; Reduction::checkpoint), and its row count then,
   // so that a forward the store leaves out (one that raised, the last of the capture) can be
   // taken out of the reductions too (rollback_forward). Costs a copy of the in-place updated
-  // states (mean, var, min, ...: a few feature vectors) per hook point and forward.
+  // states (mean, var, min, ...: a few feature vectors) per hook point and forward; on a device
+  // (CUDA) no copy, but the state before the forward stays allocated until the next forward's
+  // first call (an update there makes its new state next to the old one anyway).
   void set_keep_forward_start(bool on);
   // Put the reductions and n_rows back as they were before this sink's first call in root
   // forward `forward`; true when it was called in that forward (and so was put back), false
   // when it was not (nothing to take out) or keeps no forward start.
   bool rollback_forward(int64_t forward);
+  // Make the calling thread's current stream (of the device the reductions last ran on) wait
+  // for the reductions' kernels: a CUDA model run under torch.cuda.stream(s) reduces on s,
+  // and the results, states and NaN flags read after it (the close, tracker.reductions) on
+  // another stream would read accumulators not yet written. No-op for CPU rows and where the
+  // reductions ran on the current stream. reduction_result() calls it itself.
+  void wait_reductions();
   void set_writer(std::shared_ptr<RowConsumer> w) { writer_ = std::move(w); }
   bool has_writer() const { return writer_ != nullptr; }
   // A store that keeps reductions only records this hook point's dtype and feature shape from
@@ -237,6 +246,7 @@ class Sink {
   // update_reductions on this hook point's rows; a CaptureError of a reduction (rows of
   // another feature shape, complex rows) is raised again naming the hook point. Under mu_.
   void reduce(const at::Tensor& rows);
+  void run_reductions(const at::Tensor& rows);  // (reduce: update_reductions, errors naming the hook point)
   // The first rows fit the store array, opened at the first call (maybe an empty batch).
   void check_first_rows_fit_writer(const at::Tensor& x);
 
@@ -254,6 +264,10 @@ class Sink {
   bool keep_forward_start_ = false;
   int64_t start_forward_ = -1;
   int64_t start_rows_ = 0;
+  // The CUDA stream the reductions last ran on (the current stream of the rows' device at
+  // their last update): an update on another stream, and wait_reductions, wait for it.
+  std::optional<c10::Stream> reduce_stream_;
+  void wait_reductions_locked();  // (under mu_)
   std::shared_ptr<RowConsumer> writer_;
   bool one_layout_ = false;  // (set_one_layout)
   int row_kind_ = -1;

@@ -558,6 +558,58 @@ def test_store_of_a_model_on_a_compute_stream_of_its_own(tmp_path):
         assert torch.allclose(st.reductions[hp]["mean"], rows.double().mean(0), rtol=1e-12, atol=1e-12), hp
 
 
+class _Raise(Exception):
+    pass
+
+
+@pytest.mark.parametrize("case", ["close", "raised", "next_on_default"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_reductions_of_a_model_on_a_stream_of_its_own_are_read_after_its_kernels(tmp_path, case):
+    # The model runs on its own stream s, held back after its first forward by a kernel that spins
+    # for about half a second, so the reductions of the later forwards on s are still to run when
+    # the host goes on. The close (on the default stream, the block left without waiting for s)
+    # read the accumulators before s wrote them ("close"; "raised": the last forward raised after
+    # 0.output reduced it, so the close puts back the state s made in the forward before), and a
+    # forward on the default stream updated them from accumulators s had not written yet
+    # ("next_on_default")
+    model = _deep("cuda", depth=1)
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(3)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    path = str(tmp_path / "stream.zarr")
+
+    def cut_short(module, args, out):
+        raise _Raise("cut short")
+
+    scope = acs.ActivationScope(store=path, reductions=["mean", "max", ("s", _sum_rows)])
+    with warnings.catch_warnings(), scope.track(model, include=["0"]):
+        warnings.simplefilter("ignore", acs.CaptureWarning)  # ("raised": the forward cut short)
+        with torch.cuda.stream(s):
+            for x in xs:
+                x.record_stream(s)
+            model(xs[0])
+            torch.cuda._sleep(1_000_000_000)
+            model(xs[1])
+            if case == "close":
+                model(xs[2])
+            elif case == "raised":
+                handle = model[1].register_forward_hook(cut_short)
+                with pytest.raises(_Raise):
+                    model(xs[2])
+                handle.remove()
+        if case == "next_on_default":
+            model(xs[2])
+    torch.cuda.synchronize()
+    rows = torch.cat([model[0](x) for x in (xs[:2] if case == "raised" else xs)]).double().cpu()
+    red = acs.open_store(path).reductions["0.output"]
+    assert int(red["mean.count"]) == rows.shape[0]
+    torch.testing.assert_close(red["mean"], rows.mean(0), rtol=1e-12, atol=1e-12)
+    assert torch.equal(red["max"].double(), rows.amax(0))
+    torch.testing.assert_close(red["s"], rows.sum(0), rtol=1e-12, atol=1e-9)
+
+
 @pytest.mark.parametrize("store", [False, True], ids=["memory", "store"])
 @torch.no_grad()
 def test_a_forward_during_cuda_graph_capture_is_refused(tmp_path, monkeypatch, store):

@@ -1,7 +1,9 @@
 """Reductions of a store capture whose last forward raised partway (the hook points before the
 error reduced its rows, those after it did not): the store ends at the whole forward before it,
 and its reductions cover exactly the rows it commits, for every built-in kind and a TorchScript
-custom reduction, in a store of rows and in one of reductions only."""
+custom reduction, in a store of rows and in one of reductions only. Tests that take ``device``
+also run the model on CUDA (marked ``gpu``, skipped without it; ``cuda:1`` with the current
+device left at ``cuda:0`` where there are two), against a float64 reference on the CPU."""
 
 from __future__ import annotations
 
@@ -16,6 +18,13 @@ from activationscope.store import open_store
 from acs_testing import log_sum, log_sum_eager, log_sum_in_place
 
 STREAMING = acs.ReductionPolicy.STREAMING
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param("cuda:1", marks=[pytest.mark.gpu,
+                                  pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]),
+]
 
 
 def _sum_of_squares(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -70,16 +79,17 @@ def _scope(path, **options):
         return acs.ActivationScope(store=str(path), reductions=REDUCTIONS, **options)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("kind", ["rows", "reductions only"])
-def test_a_caught_last_forward_that_raised_is_in_no_reduction(tmp_path, kind, error):
+def test_a_caught_last_forward_that_raised_is_in_no_reduction(tmp_path, kind, error, device):
     """The last forward raised after a.output and b.output reduced its rows, and the caller caught
     the error: the store ends at the forward before it, but a.output's and b.output's reductions
     kept its rows (counts past the store's rows, a mean over a batch the store does not hold),
     reported partial (and in a store of reductions only lost for good: a resume refuses them)."""
     torch.manual_seed(0)
-    model = _RaisesAfterTwo().eval()
-    xs = [torch.randn(n, 3) for n in (4, 5, 6)]
+    model = _RaisesAfterTwo().eval().to(device)
+    xs = [torch.randn(n, 3, device=device) for n in (4, 5, 6)]
     policy = {"reduction_policy": STREAMING} if kind == "reductions only" else {}
     with pytest.warns(acs.CaptureWarning, match="raised"), torch.no_grad():
         with _scope(tmp_path / "s.zarr", **policy).track(model):
@@ -91,9 +101,11 @@ def test_a_caught_last_forward_that_raised_is_in_no_reduction(tmp_path, kind, er
             model.error = None
     store = open_store(tmp_path / "s.zarr")
     assert store.n_samples == 9 and store.partial_reductions == {}
-    with torch.no_grad():
-        h = model.b(model.a(torch.cat(xs[:2])))
-        rows = {"a.output": model.a(torch.cat(xs[:2])), "b.output": h, "c.output": model.c(h)}
+    with torch.no_grad():  # (per forward, as captured: one batch of both may round otherwise on a GPU)
+        a = [model.a(x) for x in xs[:2]]
+        h = [model.b(t) for t in a]
+        rows = {"a.output": torch.cat(a).cpu(), "b.output": torch.cat(h).cpu(),
+                "c.output": torch.cat([model.c(t) for t in h]).cpu()}
     for hook_point, want in rows.items():
         if kind == "rows":
             assert torch.equal(store[hook_point], want)
@@ -225,8 +237,9 @@ def test_two_ranks_one_of_whose_last_forward_raised_commit_reductions_of_the_who
     assert torch.equal(got["top.values"], values[:3]) and torch.equal(got["top.row_ids"], ids[:3])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
-def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warning(tmp_path, fn):
+def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warning(tmp_path, fn, device):
     """The caught last forward that raised fed a 0 to a custom reduction's log (inf) before the
     error: that forward is taken out of the reductions, and so is what it made: the result is
     finite and the close says nothing of NaN or inf (it did, naming a value the store does not hold),
@@ -241,6 +254,8 @@ def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warn
         model.c.weight.abs_()
         model.c.bias.abs_()  # c.output of b.output >= 0: positive
     xs[2][1, 0] = 0.0  # b.output of that row is 0 in its first column: log 0 = -inf
+    model.to(device)  # (on CUDA the flags are kept on the device, made_nonfinite reads them)
+    xs = [x.to(device) for x in xs]
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         with acs.ActivationScope(store=str(tmp_path / "s.zarr"), reductions=[fn]).track(model) as tracker:
@@ -258,6 +273,6 @@ def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warn
     assert not [m for m in messages if m.startswith("custom reduction(s) whose result holds NaN or inf")], messages
     got = open_store(tmp_path / "s.zarr").reductions["b.output"][fn.__name__]
     with torch.no_grad():
-        want = model.b(model.a(torch.cat(xs[:2]))).double()
+        want = torch.cat([model.b(model.a(x)) for x in xs[:2]]).double().cpu()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want.log().sum(0))

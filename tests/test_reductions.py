@@ -3072,6 +3072,36 @@ def test_made_nonfinite_of_an_eager_reduction_is_put_back_with_its_checkpoint(fn
     assert red.made_nonfinite is False and torch.equal(red.result()["value"], before)  # (log 1 = 0)
 
 
+def _refuses_zeros(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if bool((x == 0).any()):
+        raise ValueError("a zero among the rows")
+    s = x.double().sum(0)
+    return s if acc is None else acc + s
+
+
+@pytest.mark.parametrize("fn", [log_sum, log_sum_in_place, log_sum_eager], ids=["script", "in_place", "eager"])
+def test_made_nonfinite_of_a_batch_a_later_custom_reduction_refused_is_put_back(fn):
+    """A batch that a later custom reduction of the hook point raised on is taken out of those
+    updated before it (their states put back: the capture keeps no row of it), but only their
+    accumulators were: ``made_nonfinite`` stayed True for the inf that batch made (and the close
+    would have blamed the function for NaN or inf the rows carried later). The flags are put back
+    with the accumulator now."""
+    from activationscope.capture import _native
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        reds = [R.make_reduction(fn), R.make_reduction(_refuses_zeros)]
+    update = _native.load().update_reductions
+    ones = torch.ones(2, 3)
+    update(reds, ones, 0)
+    with pytest.raises(ActivationScopeError, match="a zero among the rows"):
+        update(reds, torch.tensor([[1.0, 0.0, 2.0]]), 2)  # log 0: -inf of finite rows, then refused
+    assert reds[0].made_nonfinite is False
+    assert torch.equal(reds[0].result()["value"], torch.zeros(3, dtype=torch.float64))  # (log 1 = 0)
+    update(reds, ones, 2)
+    assert reds[0].made_nonfinite is False and torch.equal(reds[0].result()["value"], torch.zeros(3, dtype=torch.float64))
+
+
 def test_the_nonfinite_custom_reduction_warning_as_an_error_comes_after_the_store_is_complete(tmp_path):
     """Under an error filter the warning raises, once the store is committed whole: status
     complete, every row and the reduction's value (inf as the function made it) stored."""

@@ -347,6 +347,7 @@ class EagerReduction(_C.Reduction):
         self._made_nonfinite_dev: Optional[torch.Tensor] = None
         self._acc_finite: Optional[torch.Tensor] = None
         self._checkpoint: Optional[tuple] = None  # (checkpoint(): what restore_checkpoint() puts back)
+        self._undo: Optional[tuple] = None  # (undo_update(): what the last update found besides the accumulator)
 
     @property
     def options(self) -> dict[str, float]:
@@ -408,6 +409,8 @@ class EagerReduction(_C.Reduction):
         """
         if rows.dim() >= 1 and rows.shape[0] == 0:
             return
+        self._undo = (self._acc_from_state, self._rows_device, self._made_nonfinite, self._made_nonfinite_dev,
+                      self._acc_finite)
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
         # self._acc stays as it was until the batch is folded in; a function seen updating acc
@@ -548,6 +551,26 @@ class EagerReduction(_C.Reduction):
         (self._acc, self._acc_from_state, self._rows_device, self._made_nonfinite, self._made_nonfinite_dev,
          self._acc_finite) = saved
         self._acc_shared = True
+
+    def undo_update(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put back the state before the last :meth:`update` with what :attr:`made_nonfinite`
+        knew then: a capture does when a later custom reduction of the hook point refuses the
+        batch (none of its rows is kept).
+
+        Parameters
+        ----------
+        state : mapping of str to Tensor
+            What :meth:`state` returned just before that update (``{"acc": Tensor}``, or ``{}``).
+
+        Raises
+        ------
+        ReductionError
+            A key other than ``"acc"``.
+        """
+        self.load_state(state)
+        if self._undo is not None:
+            (self._acc_from_state, self._rows_device, self._made_nonfinite, self._made_nonfinite_dev,
+             self._acc_finite) = self._undo
 
     def fresh(self) -> "EagerReduction":
         """An empty reduction of the same function and options."""

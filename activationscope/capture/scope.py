@@ -1780,6 +1780,7 @@ class Tracker:
         if self._closed:
             return
         self._closed = True
+        self._wait_reductions()
         if self.writer is not None:
             self._warn_outside_calls()
         if self._refused is not None:  # nothing of this run is committed
@@ -1923,6 +1924,16 @@ class Tracker:
             "rows, and resume=True would continue that store, not this capture; once the cause is fixed, run the "
             "capture again with overwrite=True")
         exc.add_note(self._store_put_back)
+
+    def _wait_reductions(self) -> None:
+        """Closing: this thread's current CUDA stream waits for the kernels of every hook point's
+        reductions (a model run under ``torch.cuda.stream(s)`` reduced on ``s``), so that what
+        the close reads of them (results, states, NaN flags) is their final value, not
+        accumulators still being written. No-op for CPU rows; the host does not wait."""
+        with self._new_hook_point_lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            sink.wait_reductions()
 
     def _rollback_open_forward(self, k: int) -> None:
         """Closing a store capture whose last forward ``k`` (0-based) did not end (it raised,
@@ -4248,6 +4259,7 @@ class Tracker:
             if sink is None:
                 continue
             covered = self._reduction_base.get(name, 0) + int(sink.n_rows)
+            sink.wait_reductions()  # (a commit reading the states on another stream than the forward's)
             for red_name, red in zip(self._reduction_names.get(name, []), self._reduction_objects.get(name, [])):
                 out.append((name, red_name, red, covered))
         return out
