@@ -478,3 +478,63 @@ def log_sum_eager(acc, x):
     """:func:`log_sum` that TorchScript cannot compile (runs as eager Python)."""
     s = x.double().log().sum(0) * _LOG_SUM_SCALE
     return s if acc is None else acc + s
+
+
+def plain_hooks(model, run, names=None, *, side: str = "output", structured: str = "skip", clone: bool = True,
+                to=None, grad: bool = False) -> tuple[dict[str, list[torch.Tensor]], object]:
+    """What plain PyTorch forward hooks (no activationscope) see while ``run()`` runs: the
+    reference a capture is compared with. Returns ``({hook point: [Tensor per call]}, run())``.
+
+    ``names``: the module paths hooked (default: every submodule, the root left out; ``""`` is
+    the root, whose hook points are ``output`` and ``input.<i>``). ``side``: ``"output"``,
+    ``"input"`` (the positional arguments, ``<name>.input.<i>``, taken before the forward) or
+    ``"both"``. ``structured``, what a value that is no tensor gives: ``"skip"`` nothing (an
+    input that is no tensor neither); ``"first"`` an output that is no tensor (a tuple, a
+    ``ModelOutput``) its first element ``out[0]``, as ``<name>.output``; ``"leaves"`` each
+    tensor of nested tuples and lists, ``<name>.output.<i>`` (``.<j>`` deeper), inputs alike.
+    Each tensor is detached and cloned at the call (``clone`` False: kept as it is), then given
+    to ``.to(to)`` when ``to`` is a dtype or device.
+    ``run()`` runs under ``torch.no_grad()`` unless ``grad``; the hooks are removed after it.
+    """
+    records: dict[str, list[torch.Tensor]] = {}
+
+    def keep(key, value):
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone() if clone else value
+            records.setdefault(key, []).append(value if to is None else value.to(to))
+        elif structured == "leaves" and isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                keep(f"{key}.{i}", item)
+
+    def hooks(name):
+        prefix = f"{name}." if name else ""
+
+        def pre(module, args):
+            for i, a in enumerate(args):
+                keep(f"{prefix}input.{i}", a)
+
+        def post(module, args, out):
+            if structured == "first" and not isinstance(out, torch.Tensor):
+                out = out[0]
+            keep(f"{prefix}output", out)
+
+        return pre, post
+
+    handles = []
+    try:
+        for name in names if names is not None else [n for n, _ in model.named_modules() if n]:
+            module = model.get_submodule(name)
+            pre, post = hooks(name)
+            if side in ("input", "both"):
+                handles.append(module.register_forward_pre_hook(pre))
+            if side in ("output", "both"):
+                handles.append(module.register_forward_hook(post))
+        if grad:
+            result = run()
+        else:
+            with torch.no_grad():
+                result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return records, result

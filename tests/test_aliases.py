@@ -11,6 +11,8 @@ import torch
 
 from activationscope import ActivationScope, CaptureError, ReductionPolicy, StoragePolicy, open_store
 
+from acs_testing import plain_hooks
+
 
 def _features():
     torch.manual_seed(0)
@@ -486,24 +488,8 @@ def test_one_tensor_passed_or_returned_twice_is_captured_in_every_forward(tmp_pa
     torch.manual_seed(0)
     m = _SelfAttention() if model == "self_attention" else _Twice()
     xs = [torch.randn(2, 5, 8) for _ in range(3)]
-    ref: dict[str, list[torch.Tensor]] = {}
-
-    def keep(name):
-        def hook(mod, args, out):
-            for i, a in enumerate(args):
-                ref.setdefault(f"{name}input.{i}", []).append(a.detach().clone())
-            for i, o in enumerate(out if isinstance(out, tuple) else (out,)):
-                if o is not None:
-                    key = f"{name}output" if not isinstance(out, tuple) else f"{name}output.{i}"
-                    ref.setdefault(key, []).append(o.detach().clone())
-        return hook
-
-    hooks = [mod.register_forward_hook(keep(f"{n}." if n else "")) for n, mod in m.named_modules()]
-    with torch.no_grad():
-        for x in xs:
-            m(x)
-    for h in hooks:
-        h.remove()
+    ref, _ = plain_hooks(m, lambda: [m(x) for x in xs], [n for n, _ in m.named_modules()], side="both",
+                         structured="leaves")
     scope = ActivationScope(capture="both", **({"store": tmp_path / "s.zarr"} if to_store else {}))
     with torch.no_grad(), scope.track(m, include=["*"]) as t:
         for x in xs:

@@ -11,6 +11,8 @@ import torch
 
 from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
 
+from acs_testing import plain_hooks
+
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
@@ -33,15 +35,6 @@ def _model():
     return torch.nn.Sequential(_Mlp(), torch.nn.Dropout(0.3), torch.nn.Linear(6, 2))
 
 
-def _reference_hooks(model, names):
-    """Clones of each named module's output, per call (the value the model passed on)."""
-    refs = {n: [] for n in names}
-    modules = dict(model.named_modules())
-    handles = [modules[n].register_forward_hook(
-        lambda _m, _a, out, n=n: refs[n].append(out.detach().clone())) for n in names]
-    return refs, handles
-
-
 @pytest.mark.parametrize("first", ["eval", "train"])
 def test_validation_forward_then_training_stores_every_rows_own_values(tmp_path, first):
     # In eval mode a dropout returns its input: '0.output' is the very tensor of '0.proj.output'
@@ -51,28 +44,29 @@ def test_validation_forward_then_training_stores_every_rows_own_values(tmp_path,
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     names = ["0.proj", "0", "1", "2"]
-    refs, handles = _reference_hooks(model, names)
     torch.manual_seed(1)
     xs = [torch.randn(4, 6) for _ in range(4)]
     modes = ["eval", "train", "train", "eval"] if first == "eval" else ["train", "eval", "train", "eval"]
-    with ActivationScope(store=tmp_path / "s.zarr").track(model, include=["0", "0.proj", "1", "2"]):
-        for x, mode in zip(xs, modes):
-            if mode == "eval":
-                model.eval()
-                with torch.no_grad():
-                    model(x)
-            else:
-                model.train()
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
+
+    def capture():
+        with ActivationScope(store=tmp_path / "s.zarr").track(model, include=["0", "0.proj", "1", "2"]):
+            for x, mode in zip(xs, modes):
+                if mode == "eval":
+                    model.eval()
+                    with torch.no_grad():
+                        model(x)
+                else:
+                    model.train()
+                    model(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+    refs, _ = plain_hooks(model, capture, names, grad=True)
     store = open_store(tmp_path / "s.zarr")
     assert store.status == "complete"
     assert store.aliases == {}
     for n in names:
-        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[n]), rtol=0, atol=0)
+        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[f"{n}.output"]), rtol=0, atol=0)
     # the training forwards' dropout rows are not their inputs' rows
     step = modes.index("train")
     train_rows = slice(4 * step, 4 * step + 4)
@@ -110,22 +104,24 @@ def test_gpt2_validation_then_training_steps_are_stored(tmp_path):
     model = transformers.GPT2LMHeadModel(config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     names = ["transformer.h.0.mlp", "transformer.h.0.mlp.c_proj"]
-    refs, handles = _reference_hooks(model, names)
     ids = torch.randint(1, 50, (3, 5))
-    with ActivationScope(store=tmp_path / "g.zarr", rows="token").track(model, include=names):
-        model.eval()
-        with torch.no_grad():
-            model(input_ids=ids)
-        model.train()
-        for _ in range(2):
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
+
+    def capture():
+        with ActivationScope(store=tmp_path / "g.zarr", rows="token").track(model, include=names):
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=ids)
+            model.train()
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    refs, _ = plain_hooks(model, capture, names, grad=True)
     store = open_store(tmp_path / "g.zarr")
     for n in names:
-        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[n]).reshape(-1, 16), rtol=0, atol=0)
+        torch.testing.assert_close(store[f"{n}.output"][:], torch.cat(refs[f"{n}.output"]).reshape(-1, 16),
+                                   rtol=0, atol=0)
 
 
 class _NormWithItsOwnDrop(torch.nn.Module):
@@ -145,19 +141,20 @@ def test_functional_dropout_validation_then_training_is_stored(tmp_path):
     # functional dropout between them gives a new one (it raised CaptureError at that forward)
     torch.manual_seed(0)
     model = torch.nn.Sequential(_NormWithItsOwnDrop(), torch.nn.Linear(6, 2))
-    refs, handles = _reference_hooks(model, ["0.norm", "0"])
     torch.manual_seed(1)
     xs = [torch.randn(3, 6) for _ in range(3)]
-    with ActivationScope(store=tmp_path / "f.zarr", capture="both").track(model, include=["0.norm", "1"]):
-        for i, x in enumerate(xs):
-            model.train(i > 0)
-            model(x).sum().backward()
-    for h in handles:
-        h.remove()
+
+    def capture():
+        with ActivationScope(store=tmp_path / "f.zarr", capture="both").track(model, include=["0.norm", "1"]):
+            for i, x in enumerate(xs):
+                model.train(i > 0)
+                model(x).sum().backward()
+
+    refs, _ = plain_hooks(model, capture, ["0.norm", "0"], grad=True)
     store = open_store(tmp_path / "f.zarr")
     assert store.aliases == {}
-    torch.testing.assert_close(store["0.norm.output"][:], torch.cat(refs["0.norm"]), rtol=0, atol=0)
-    torch.testing.assert_close(store["1.input.0"][:], torch.cat(refs["0"]), rtol=0, atol=0)
+    torch.testing.assert_close(store["0.norm.output"][:], torch.cat(refs["0.norm.output"]), rtol=0, atol=0)
+    torch.testing.assert_close(store["1.input.0"][:], torch.cat(refs["0.output"]), rtol=0, atol=0)
 
 
 def test_a_second_epoch_is_warned_about_as_such(tmp_path):

@@ -21,6 +21,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 from activationscope import (ActivationScope, CaptureMode, CaptureWarning, HookPointNotFoundError,  # noqa: E402
                              open_store)
 
+from acs_testing import plain_hooks  # noqa: E402
+
 
 class Block(torch.nn.Module):
     """A pre-LayerNorm transformer block: attention (tuple output) and an MLP (a Sequential
@@ -69,47 +71,9 @@ def make(kind: str) -> tuple[torch.nn.Module, callable]:
     return Block().eval(), lambda b: torch.randn(b, 5, 16)
 
 
-def _flat(obj, prefix, out):
-    if isinstance(obj, torch.Tensor):
-        out.append((prefix, obj))
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            _flat(item, f"{prefix}.{i}", out)
-
-
 def reference(model, names, xs, side="output"):
     """{hook point: [clone per forward]} from plain forward hooks on the eager model."""
-    recs: dict[str, list[torch.Tensor]] = {}
-
-    def hook(name):
-        def pre(m, args):
-            if side in ("input", "both"):
-                leaves = []
-                _flat(tuple(args), f"{name}.input", leaves)
-                for n, t in leaves:
-                    recs.setdefault(n, []).append(t.detach().clone())
-
-        def post(m, args, out):
-            if side in ("output", "both"):
-                leaves = []
-                _flat(out, f"{name}.output", leaves)
-                for n, t in leaves:
-                    recs.setdefault(n, []).append(t.detach().clone())
-
-        return pre, post
-
-    handles = []
-    for name in names:
-        pre, post = hook(name)
-        m = model.get_submodule(name)
-        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-    try:
-        with torch.no_grad():
-            outs = [model(x) for x in xs]
-    finally:
-        for h in handles:
-            h.remove()
-    return recs, outs
+    return plain_hooks(model, lambda: [model(x) for x in xs], names, side=side, structured="leaves")
 
 
 def assert_records(got, ref):

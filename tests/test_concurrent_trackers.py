@@ -13,6 +13,8 @@ import torch
 
 from activationscope import ActivationScope, CaptureError, open_store
 
+from acs_testing import plain_hooks
+
 
 def _mlp(seed=0, width=8):
     torch.manual_seed(seed)
@@ -22,16 +24,7 @@ def _mlp(seed=0, width=8):
 def _reference(model, xs):
     """{'<module>.output': rows of every call in order} of the submodules of `model`, by
     plain forward hooks."""
-    out: dict[str, list[torch.Tensor]] = {}
-    handles = [m.register_forward_hook(lambda _m, _a, o, n=n: out.setdefault(f"{n}.output", []).append(o.clone()))
-               for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            for x in xs:
-                model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    out, _ = plain_hooks(model, lambda: [model(x) for x in xs])
     return {k: torch.cat(v) for k, v in out.items()}
 
 

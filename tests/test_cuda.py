@@ -18,6 +18,8 @@ import torch
 import activationscope as acs
 from activationscope import CaptureMode, ReductionPolicy, StoragePolicy
 
+from acs_testing import plain_hooks
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["float32", "float16", "bfloat16"]
@@ -34,17 +36,8 @@ def _deep(device, width: int = 256, depth: int = 8, dtype: torch.dtype = torch.f
 def _reference(model: torch.nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """``{<name>.output: host copy}`` of one forward through plain PyTorch hooks (cloned at the
     call, so later in-place changes of the model do not reach them)."""
-    out: dict[str, torch.Tensor] = {}
-    mods = dict(model.named_modules())
-    handles = [mods[n].register_forward_hook(lambda m, a, o, _n=n: out.__setitem__(f"{_n}.output", o.detach().clone()))
-               for n in names]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: v.cpu() for k, v in out.items()}
+    got, _ = plain_hooks(model, lambda: model(x), names, to="cpu")
+    return {k: v[-1] for k, v in got.items()}
 
 
 def _on_host(rec: torch.Tensor, device: torch.device) -> bool:
@@ -505,17 +498,9 @@ def test_inference_mode_capture_of_inputs_and_outputs(tmp_path, device):
     # records and the stored rows are the values plain hooks see.
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)]).to(device).eval()
     xs = [torch.randn(8, 32, device=device) for _ in range(3)]
-    want = []
-    for x in xs:
-        w: dict[str, torch.Tensor] = {}
-        handles = [m.register_forward_hook(
-            lambda m, a, o, _n=n: w.update({f"{_n}.input.0": a[0].detach().cpu().clone(),
-                                            f"{_n}.output": o.detach().cpu().clone()}))
-            for n, m in model.named_children()]
-        model(x)
-        for h in handles:
-            h.remove()
-        want.append(w)
+    names = [n for n, _ in model.named_children()]
+    want = [{k: v[-1] for k, v in plain_hooks(model, lambda: model(x), names, side="both", to="cpu")[0].items()}
+            for x in xs]
     path = str(tmp_path / "inf.zarr")
     with torch.inference_mode():
         with acs.ActivationScope(capture="both").track(model) as tr:

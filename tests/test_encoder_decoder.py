@@ -13,6 +13,8 @@ import torch
 import activationscope as acs
 from activationscope.data import ActivationDataset
 
+from acs_testing import plain_hooks
+
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,17 +42,9 @@ def _batch(t: int, pad: bool = True):
 
 def _reference(model, names, src, src_mask, tgt, tgt_mask):
     """The outputs of the modules ``names`` in one forward, by plain forward hooks."""
-    out = {}
-    handles = [model.get_submodule(n).register_forward_hook(
-        lambda m, a, o, n=n: out.__setitem__(n, (o if isinstance(o, torch.Tensor) else o[0]).detach().clone()))
-        for n in names]
-    try:
-        with torch.no_grad():
-            model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
+    got, _ = plain_hooks(model, lambda: model(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt,
+                                              decoder_attention_mask=tgt_mask), names, structured="first")
+    return {k.removesuffix(".output"): v[-1] for k, v in got.items()}
 
 
 def test_decoder_token_rows_taken_with_the_encoders_mask_are_refused(tmp_path):
@@ -210,14 +204,11 @@ def test_generate_into_a_store_says_why_the_encoder_recorded_nothing(tmp_path):
 def test_generate_with_the_encoder_in_a_tracker_of_its_own_stores_both_sides(tmp_path):
     model = _t5()
     src, src_mask, _, _ = _batch(S)
-    steps = []
-    handle = model.get_submodule("decoder.block.1.layer.2").register_forward_hook(
-        lambda m, a, o: steps.append(o.detach().clone()))
-    with torch.no_grad():
-        hidden = model.encoder(input_ids=src, attention_mask=src_mask).last_hidden_state
-        expected = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
-                                  do_sample=False)
-    handle.remove()
+    got, (hidden, expected) = plain_hooks(model, lambda: (
+        model.encoder(input_ids=src, attention_mask=src_mask).last_hidden_state,
+        model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)),
+        ["decoder.block.1.layer.2"])
+    steps = got["decoder.block.1.layer.2.output"]
     enc = acs.ActivationScope(store=tmp_path / "enc.zarr")
     dec = acs.ActivationScope(store=tmp_path / "dec.zarr")
     with torch.no_grad(), enc.track(model.get_encoder(), include=["final_layer_norm"]) as te, \
@@ -346,11 +337,7 @@ def test_a_decoder_mask_of_ones_own_is_refused_until_confirmed(tmp_path):
     model = _t5()
     src, src_mask, tgt, tgt_mask = _batch(S)
     labels = tgt.masked_fill(tgt_mask == 0, -100)
-    out = {}
-    handle = model.lm_head.register_forward_hook(lambda m, a, o: out.__setitem__("lm_head", o.detach().clone()))
-    with torch.no_grad():
-        model(input_ids=src, attention_mask=src_mask, labels=labels)
-    handle.remove()
+    out, _ = plain_hooks(model, lambda: model(input_ids=src, attention_mask=src_mask, labels=labels), ["lm_head"])
     mask = labels != -100
     with pytest.raises(acs.CaptureError, match=r"'lm_head\.output' is on the decoder side.*labels != -100.*"
                        r"token_rows=\{'lm_head\.output': True\}"):
@@ -361,7 +348,7 @@ def test_a_decoder_mask_of_ones_own_is_refused_until_confirmed(tmp_path):
     with torch.no_grad(), scope.track(model, include=["lm_head"]) as tracker:
         tracker.set_batch(attention_mask=mask)
         model(input_ids=src, attention_mask=src_mask, labels=labels)
-    assert torch.equal(acs.open_store(tmp_path / "b.zarr")["lm_head.output"], out["lm_head"][mask])
+    assert torch.equal(acs.open_store(tmp_path / "b.zarr")["lm_head.output"], out["lm_head.output"][0][mask])
 
 
 def test_generate_names_the_position_bias_whose_shape_grows_and_its_exclusion_captures_the_rest(tmp_path):
@@ -385,12 +372,10 @@ def test_generate_names_the_position_bias_whose_shape_grows_and_its_exclusion_ca
     notes = " ".join(getattr(raised.value, "__notes__", []))
     assert f"'{block}.output.1' is one tensor shared by the batch's samples" in notes
     assert "(1, 2, 1, 1)" in notes and f"exclude_hook_points=['{block}.output.1']" in notes
-    steps = []
-    handle = model.get_submodule(block).register_forward_hook(lambda m, a, o: steps.append(o[0].detach().clone()))
-    with torch.no_grad():
-        expected = model.generate(input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3,
-                                  do_sample=False)
-    handle.remove()
+    got, expected = plain_hooks(model, lambda: model.generate(
+        input_ids=src, attention_mask=src_mask, max_new_tokens=3, min_new_tokens=3, do_sample=False),
+        [block], structured="first")
+    steps = got[f"{block}.output"]
     scope = acs.ActivationScope(store=tmp_path / "b.zarr", exclude_hook_points=["decoder.block.*.output.[12]"])
     with torch.no_grad(), scope.track(model, include=[block]) as t:
         t.set_batch(sample_ids=[0, 1, 2])

@@ -12,6 +12,8 @@ import torch
 
 import activationscope as acs
 
+from acs_testing import plain_hooks
+
 
 class MLP(torch.nn.Module):
     def __init__(self) -> None:
@@ -22,25 +24,6 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
-
-
-def _reference(model, names, xs):
-    """Outputs of ``names`` over ``xs`` by plain forward hooks: {hook point: [Tensor per call]}."""
-    mods = dict(model.named_modules())
-    got: dict[str, list[torch.Tensor]] = {}
-
-    def keep(name):
-        return lambda m, a, o: got.setdefault(f"{name}.output", []).append(o.detach().clone())
-
-    handles = [mods[n].register_forward_hook(keep(n)) for n in names]
-    try:
-        with torch.no_grad():
-            for x in xs:
-                model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
 
 
 def _capture_warnings(caught):
@@ -135,7 +118,7 @@ def test_forward_wrapping_the_capture_keeps_recording_and_is_undone():
     torch.manual_seed(0)
     model = MLP()
     xs = [torch.randn(5, 8) for _ in range(2)]
-    ref = _reference(model, ["fc1", "fc2"], xs)
+    ref, _ = plain_hooks(model, lambda: [model(x) for x in xs], ["fc1", "fc2"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
@@ -183,14 +166,7 @@ def test_peft_lora_hook_points_equal_forward_hooks(adapter):
                 return model(input_ids=inputs)
         return model(input_ids=inputs)
 
-    mods = dict(model.named_modules())
-    ref: dict[str, torch.Tensor] = {}
-    handles = [mods[n].register_forward_hook(lambda m, a, o, n=n: ref.__setitem__(f"{n}.output", o.clone()))
-               for n in names]
-    with torch.no_grad():
-        forward(x)
-    for h in handles:
-        h.remove()
+    ref = {k: v[-1] for k, v in plain_hooks(model, lambda: forward(x), names)[0].items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad(), acs.ActivationScope().track(model, include=names) as tracker:

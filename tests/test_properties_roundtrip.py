@@ -37,6 +37,8 @@ import activationscope as acs
 from activationscope.data import ActivationDataset, SequentialBatchSampler
 from activationscope.errors import StoreError
 
+from acs_testing import plain_hooks
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.int32,
           torch.uint8]
 STORAGE_DTYPES = [None, torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -190,20 +192,9 @@ def _inputs(case):
 def _reference(case, xs):
     """Rows of plain register_forward_hook clones, cast and ordered as documented."""
     model = Model(case["dtype"], case["rows"] == "token", case["layout"]).eval()
-    got = {hp: [] for hp in _hook_points(case)}
-
-    def record(m, inputs, output, name):
-        got[f"{name}.output"].append(output.detach().clone())
-        if case["capture"] == "both":
-            got[f"{name}.input.0"].append(inputs[0].detach().clone())
-
-    handles = [getattr(model, name).register_forward_hook(
-        lambda m, i, o, name=name: record(m, i, o, name)) for name in "abc"]
-    with torch.no_grad():
-        for x in xs:
-            model(x)
-    for h in handles:
-        h.remove()
+    recs, _ = plain_hooks(model, lambda: [model(x) for x in xs], list("abc"),
+                          side="both" if case["capture"] == "both" else "output")
+    got = {hp: recs[hp] for hp in _hook_points(case)}
     out, counts = {}, {}
     for hp, outs in got.items():
         rows = []

@@ -1,5 +1,5 @@
 """ActivationScope / Tracker: every captured value is compared with a plain-PyTorch reference
-(``register_forward_hook`` / ``register_forward_pre_hook`` that clone)."""
+(``plain_hooks`` of acs_testing: ``register_forward_hook`` / ``register_forward_pre_hook`` that clone)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import threading
 import re
 import typing
 import warnings
-from collections import defaultdict
 from typing import Optional
 
 import pytest
@@ -22,38 +21,10 @@ import activationscope as acs
 from activationscope import CaptureMode, CapturePolicy, ReductionPolicy, StoragePolicy
 from activationscope.errors import ArgumentTypeError
 
-from acs_testing import BracketNames, SmallCNN, toy_mlp
+from acs_testing import BracketNames, SmallCNN, plain_hooks, toy_mlp
 
 
 # ----------------------------------------------------------------------------- reference
-def reference_capture(model, run, names=None, side="output"):
-    """Plain Python hooks that clone: {hook point: [tensor per call]} for tensor inputs/outputs."""
-    out = defaultdict(list)
-    handles = []
-    for name, module in model.named_modules():
-        if names is not None and name not in names:
-            continue
-        if names is None and name == "":
-            continue
-        if side in ("input", "both"):
-            def pre(mod, args, _n=name):
-                for i, a in enumerate(args):
-                    if isinstance(a, torch.Tensor):
-                        out[f"{_n}.input.{i}"].append(a.detach().clone())
-            handles.append(module.register_forward_pre_hook(pre))
-        if side in ("output", "both"):
-            def post(mod, args, o, _n=name):
-                if isinstance(o, torch.Tensor):
-                    out[f"{_n}.output"].append(o.detach().clone())
-            handles.append(module.register_forward_hook(post))
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
-    return dict(out)
-
-
 def assert_same_records(got, want):
     assert set(want) <= set(got), sorted(set(want) - set(got))
     for key, tensors in want.items():
@@ -88,7 +59,7 @@ def test_seed_quick_start_verbatim():
         for x, _ in data:
             model(x)
 
-    want = reference_capture(model, run)
+    want, _ = plain_hooks(model, run, grad=True)
     assert set(acts) == set(want)
     assert_same_records(acts, want)
     for tensors in acts.values():
@@ -103,7 +74,7 @@ def test_models_both_sides_equal_reference(factory, shape):
     with acs.ActivationScope(capture="both").track(model) as tracker:
         for x in xs:
             model(x)
-    want = reference_capture(model, lambda: [model(x) for x in xs], side="both")
+    want, _ = plain_hooks(model, lambda: [model(x) for x in xs], side="both", grad=True)
     assert_same_records(tracker.activations, want)
 
 
@@ -112,7 +83,7 @@ def test_transformer_encoder_equals_reference(transformer):
     with acs.ActivationScope().track(transformer, include=["layers.*"]) as tracker:
         transformer(x)
     names = {n for n, _ in transformer.named_modules() if n.startswith("layers.")}
-    want = reference_capture(transformer, lambda: transformer(x), names=names)
+    want, _ = plain_hooks(transformer, lambda: transformer(x), names, grad=True)
     assert_same_records(tracker.activations, want)
     assert "layers.0.self_attn.output.0" in tracker.activations  # attention returns a tuple
 
@@ -1178,7 +1149,7 @@ def test_grad_modes(mode, mlp):
             out = mlp(x)
             if mode == "train":
                 out.sum().backward()
-    want = reference_capture(mlp, lambda: mlp(x))
+    want, _ = plain_hooks(mlp, lambda: mlp(x), grad=True)
     assert_same_records(tr.activations, want)
 
 
@@ -1309,7 +1280,7 @@ def test_model_dtype_is_kept(float_dtype):
     x = torch.randn(3, 16, dtype=float_dtype)
     with acs.ActivationScope().track(model) as tr:
         model(x)
-    assert_same_records(tr.activations, reference_capture(model, lambda: model(x)))
+    assert_same_records(tr.activations, plain_hooks(model, lambda: model(x), grad=True)[0])
     assert tr.activations["0.output"][0].dtype == float_dtype
 
 
@@ -1501,7 +1472,7 @@ def test_device_capture_equals_reference(device):
     x = torch.randn(4, 16, device=device)
     with acs.ActivationScope(capture="both").track(model) as tr:
         model(x)
-    want = {k: [t.cpu() for t in v] for k, v in reference_capture(model, lambda: model(x), side="both").items()}
+    want, _ = plain_hooks(model, lambda: model(x), side="both", to="cpu", grad=True)
     acts = tr.activations
     assert all(t.device.type == "cpu" for v in acts.values() for t in v)
     assert_same_records(acts, want)

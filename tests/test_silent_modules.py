@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from activationscope import ActivationScope, CaptureError, CaptureWarning, open_store
 
+from acs_testing import plain_hooks
+
 
 def _encoder_layer():
     torch.manual_seed(0)
@@ -199,16 +201,8 @@ class _Block(torch.nn.Module):
 
 def _eager_outputs(model, x):
     """{"<path>.output": value} of every submodule of ``model``, by plain forward hooks."""
-    recs = {}
-    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: recs.__setitem__(f"{n}.output", out.detach().clone()))
-               for n, m in model.named_modules() if n]
-    try:
-        with torch.no_grad():
-            out = model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return recs, out
+    recs, out = plain_hooks(model, lambda: model(x))
+    return {k: v[-1] for k, v in recs.items()}, out
 
 
 def _capture_warnings(caught):
@@ -472,17 +466,11 @@ def test_tracking_the_layers_of_an_encoder_given_a_padding_mask_stores_dense_row
     pad = torch.zeros(3, 6, dtype=torch.bool)
     pad[0, 4:] = True
     pad[2, 2:] = True
-    ref = {}
-    handles = [enc.layers[i].register_forward_hook(lambda m, a, o, i=i: ref.__setitem__(i, o.detach().clone()))
-               for i in range(2)]
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with torch.no_grad():
-            enc(x, src_key_padding_mask=pad)
+        ref, _ = plain_hooks(enc, lambda: enc(x, src_key_padding_mask=pad), ["layers.0", "layers.1"])
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
-        for h in handles:
-            h.remove()
     with torch.no_grad(), ActivationScope(store=tmp_path / "s.zarr").track(enc, include=["layers.?"]) as t:
         t.set_batch(attention_mask=~pad)
         enc(x, src_key_padding_mask=pad)
@@ -490,7 +478,8 @@ def test_tracking_the_layers_of_an_encoder_given_a_padding_mask_stores_dense_row
     store = open_store(tmp_path / "s.zarr")
     for i in range(2):
         assert store.row_kind(f"layers.{i}.output") == "token"
-        torch.testing.assert_close(store[f"layers.{i}.output"], ref[i][~pad], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(store[f"layers.{i}.output"], ref[f"layers.{i}.output"][-1][~pad],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_tracking_the_layers_of_an_encoder_without_nested_tensors_keeps_the_fast_path():

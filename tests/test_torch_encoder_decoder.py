@@ -12,6 +12,8 @@ import torch
 
 import activationscope as acs
 
+from acs_testing import plain_hooks
+
 B, S, D = 3, 5, 8
 
 
@@ -41,23 +43,14 @@ def _call(model, src, src_pad, tgt, tgt_pad):
 def _reference(model, names, *batch, inputs=()):
     """The outputs (and the inputs ``(name, i)`` of ``inputs``) of the modules ``names`` in one
     forward, by plain forward hooks, PyTorch's fast path off as while a capture runs."""
-    out = {}
-
-    def hook(m, a, o, n):
-        out[n] = (o if isinstance(o, torch.Tensor) else o[0]).detach().clone()
-        for name, i in inputs:
-            if name == n:
-                out[(n, i)] = a[i].detach().clone()
-
-    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names]
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with torch.no_grad():
-            _call(model, *batch)
+        got, _ = plain_hooks(model, lambda: _call(model, *batch), names, side="both" if inputs else "output",
+                             structured="first")
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
-        for h in handles:
-            h.remove()
+    out = {k.removesuffix(".output"): v[-1] for k, v in got.items() if k.endswith(".output")}
+    out.update({(n, i): got[f"{n}.input.{i}"][-1] for n, i in inputs})
     return out
 
 
@@ -202,13 +195,7 @@ def test_a_model_of_ones_own_around_torch_stacks(tmp_path):
     _, src_pad, _, tgt_pad = _batch(S)
     g = torch.Generator().manual_seed(3)
     src, tgt = torch.randint(0, 20, (B, S), generator=g), torch.randint(0, 20, (B, S), generator=g)
-    out = {}
-    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: out.__setitem__(n, o.detach().clone()))
-               for n in ("decoder.layers.0", "head")]
-    with torch.no_grad():
-        model(src, tgt, src_pad, tgt_pad)
-    for h in handles:
-        h.remove()
+    out, _ = plain_hooks(model, lambda: model(src, tgt, src_pad, tgt_pad), ["decoder.layers.0", "head"])
     # a hook point inside the decoder stack, with the source's mask: refused
     with pytest.raises(acs.CaptureError, match=r"'decoder\.layers\.0\.output' is on the decoder side of the "
                        r"encoder-decoder model _Seq2Seq.*is the encoder's"):
@@ -229,8 +216,8 @@ def test_a_model_of_ones_own_around_torch_stacks(tmp_path):
         tracker.set_batch(attention_mask=~tgt_pad)
         model(src, tgt, src_pad, tgt_pad)
     store = acs.open_store(tmp_path / "c.zarr")
-    _close(store["decoder.layers.0.output"], out["decoder.layers.0"][~tgt_pad])
-    _close(store["head.output"], out["head"][~tgt_pad])
+    _close(store["decoder.layers.0.output"], out["decoder.layers.0.output"][0][~tgt_pad])
+    _close(store["head.output"], out["head.output"][0][~tgt_pad])
 
 
 class _DecoderOnly(torch.nn.Module):

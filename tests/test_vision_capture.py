@@ -10,6 +10,8 @@ import torch
 import activationscope as acs
 from activationscope.errors import CaptureError
 
+from acs_testing import plain_hooks
+
 
 class _Stem(torch.nn.Module):
     def __init__(self) -> None:
@@ -91,22 +93,10 @@ _HOOKED = ["stem", "block.bn1", "block.relu", "block", "t", "s", "e", "drop"]
 
 def _reference(model, batches):
     """Plain forward hooks, cloned at the call (a module called twice gives two lists)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-
-    def hook(name):
-        def fn(module, args, out):
-            calls = seen.setdefault(name, [])
-            calls.append(out.detach().clone())
-        return fn
-
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in _HOOKED]
-    try:
-        outs = [model(b) for b in batches]
-    finally:
-        for h in handles:
-            h.remove()
+    seen, outs = plain_hooks(model, lambda: [model(b) for b in batches], _HOOKED, grad=True)
     per_call = {}
-    for name, calls in seen.items():
+    for key, calls in seen.items():
+        name = key.removesuffix(".output")
         k = len(calls) // len(batches)
         for j in range(k):
             hp = f"{name}.output" if j == 0 else f"{name}#{j}.output"

@@ -18,6 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import activationscope as acs
 from activationscope.errors import ArgumentValueError
 
+from acs_testing import plain_hooks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = [acs.CaptureMode.SNAPSHOT, acs.CaptureMode.REFERENCE]
@@ -35,20 +37,8 @@ def _mlp(dtype=torch.float32, dropout=0.0):
 def _hooked(model, run, names=None):
     """``run()`` with a plain forward hook on each child of ``model`` (or each module in
     ``names``), recording a detached copy of its output: ``({hook point: [Tensor]}, result)``."""
-    records: dict[str, list[torch.Tensor]] = {}
-    modules = dict(model.named_modules())
-    handles = [
-        modules[n].register_forward_hook(
-            lambda mod, args, out, n=n: records.setdefault(f"{n}.output", []).append(
-                (out[0] if isinstance(out, tuple) else out).detach().clone()))
-        for n in (names if names is not None else [n for n, _ in model.named_children()])
-    ]
-    try:
-        result = run()
-    finally:
-        for h in handles:
-            h.remove()
-    return records, result
+    names = names if names is not None else [n for n, _ in model.named_children()]
+    return plain_hooks(model, run, names, structured="first", grad=True)
 
 
 def _assert_records_equal(got, expected):

@@ -16,6 +16,8 @@ import torch
 import activationscope as acs
 from activationscope.store import model_identity
 
+from acs_testing import plain_hooks
+
 
 class MLP(torch.nn.Module):
     def __init__(self) -> None:
@@ -30,20 +32,7 @@ class MLP(torch.nn.Module):
 
 def _reference(model, names, xs):
     """Outputs of ``names`` over ``xs`` by plain forward hooks: {hook point: (rows, ...)}."""
-    mods = dict(model.named_modules())
-    got: dict[str, list[torch.Tensor]] = {}
-
-    def keep(name):
-        return lambda m, a, o: got.setdefault(f"{name}.output", []).append(o.detach().clone())
-
-    handles = [mods[n].register_forward_hook(keep(n)) for n in names]
-    try:
-        with torch.no_grad():
-            for x in xs:
-                model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    got, _ = plain_hooks(model, lambda: [model(x) for x in xs], names)
     return {k: torch.cat(v) for k, v in got.items()}
 
 

@@ -178,19 +178,14 @@ def labelled_rows(
 
     Parameters
     ----------
-    store : str, os.PathLike, or Store
-        A store path or URL, or an open store (as :class:`~activationscope.data.ActivationDataset`
-        takes it).
-    hook_point : str
-        One hook point, or a pattern matching exactly one.
-    label_column : str, default "label"
-        The row-table column holding the labels.
-    batch_size : int, default 8192
-        Rows read per batch (memory: one batch of rows at a time).
+    store, hook_point, label_column, batch_size
+        As in :func:`sentence_rows` (``store``: str, os.PathLike or Store; ``hook_point``: str;
+        ``label_column``: str; ``batch_size``: int, rows).
 
     Raises
     ------
-    As :func:`sentence_rows`.
+    ArgumentTypeError, ArgumentValueError, HookPointNotFoundError
+        As :func:`sentence_rows` raises them.
     """
     got = _labelled_rows(store, hook_point, label_column, batch_size)
     return None if got is None else got[:3]

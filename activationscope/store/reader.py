@@ -516,26 +516,20 @@ class Store:
     when the store was opened (or :meth:`refresh` was called): a writer appending at the same
     time never shows a partial commit.
 
+    Methods that take a ``hook_point`` (str) take a stored hook point or an alias of one
+    (:attr:`aliases`); a name that is not stored raises
+    :class:`~activationscope.errors.HookPointNotFoundError` (a KeyError).
+
     Parameters
     ----------
-    target : str, os.PathLike, or zarr Store
-    cache_bytes : int, default 64 MiB
-        Bound of the cache of decoded chunks (compressed / remote arrays).
-    verify : bool, default False
-        Also check the crc32c of every chunk of a memory-mapped (local, uncompressed) shard,
-        once, the first time a row of the shard is read: reads stay zero-copy views, but each
-        shard's bytes are read once more (about the cost of reading it). Decoded reads check
-        every chunk whatever this says. Off, flipped bytes inside a mapped shard read as they
-        are (``verify()`` finds them).
-    storage_options : dict, optional
-        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
+    target, cache_bytes, verify, storage_options
+        As in :func:`open_store` (``target``: str, os.PathLike or zarr Store; ``cache_bytes``:
+        int, bytes; ``verify``: bool; ``storage_options``: dict or None).
 
     Raises
     ------
-    StoreError
-        Nothing at ``target``, not an activationscope store, or a newer format version.
-    StoreCorruptError
-        The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
+    StoreError, StoreCorruptError
+        As :func:`open_store` raises them.
     """
 
     def __init__(self, target: Any, *, cache_bytes: int = 64 << 20, storage_options: dict | None = None,
@@ -1063,10 +1057,8 @@ class Store:
 
         Raises
         ------
-        HookPointNotFoundError
-            ``hook_point`` is not in the store.
-        StoreCorruptError
-            The root document and the array's document disagree (FORMAT.md section 9 rule 17).
+        HookPointNotFoundError, StoreCorruptError
+            As :meth:`feature_shape` raises them.
         """
         return F.torch_dtype(self._checked_meta(hook_point)["dtype"])
 
@@ -4235,18 +4227,23 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     target : str, os.PathLike, or zarr Store
         Local path, ``file://`` / ``memory://`` / ``s3://`` URL, or a zarr ``Store``.
     cache_bytes : int, default 64 MiB
-        Bound of the decoded-chunk cache of compressed / remote arrays.
+        Bound of the cache of decoded chunks (compressed / remote arrays), in bytes.
     verify : bool, default False
-        Check every chunk of memory-mapped shards against its crc32c too, once per shard
-        when it is first read (:class:`Store`); decoded chunks are always checked.
+        Also check the crc32c of every chunk of a memory-mapped (local, uncompressed) shard,
+        once, the first time a row of the shard is read: reads stay zero-copy views, but each
+        shard's bytes are read once more (about the cost of reading it). Decoded reads check
+        every chunk whatever this says. Off, flipped bytes inside a mapped shard read as they
+        are (``verify()`` finds them).
     storage_options : dict, optional
-        fsspec options of a URL (credentials, ``client_kwargs``).
+        fsspec options of a URL ``target`` (credentials, ``client_kwargs``).
 
     Raises
     ------
     StoreError
-        Nothing there, not an activationscope store, or a newer format; a folder inside a store
-        (`acts`, an array's folder, ...) names the store to open instead.
+        Nothing at ``target``, not an activationscope store, or a newer format version; a
+        folder inside a store (`acts`, an array's folder, ...) names the store to open instead.
+    StoreCorruptError
+        The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
 
     Example
     -------

@@ -1698,14 +1698,7 @@ def test_a_rank_that_finishes_long_before_the_others_waits_for_them(captured, tm
     waiting ... for send operation" and torchrun ended the capture, nothing committed. The waits
     at the end now go through a group of their own with a long timeout: the store is committed,
     equal to an uninterrupted run."""
-    store = tmp_path / "slow.zarr"
-    out = _torchrun(store, "--timeout-s", "3", "--slow-rank0-s", "7")
-    assert out.returncode == 0, out.stderr[-3000:]
-    ref, got = acs.open_store(captured[0]), acs.open_store(store)
-    assert got.status == "complete" and got.hook_points == ref.hook_points
-    for hp in ref.hook_points:
-        assert torch.equal(got[hp], ref[hp])
-    assert got.row_table("sample").equals(ref.row_table("sample"))
+    _assert_committed_as_uninterrupted(captured, tmp_path / "slow.zarr", "--timeout-s", "3", "--slow-rank0-s", "7")
 
 
 def test_the_other_ranks_wait_for_rank_0_s_long_preparation_of_the_store(captured, tmp_path):
@@ -1715,14 +1708,34 @@ def test_the_other_ranks_wait_for_rank_0_s_long_preparation_of_the_store(capture
     here), rank 1 failed with gloo's timeout and torchrun ended the capture before its first
     forward. That wait now goes through the group of the waits at the end, with its long
     timeout: the store is committed, equal to an uninterrupted run."""
-    store = tmp_path / "slow_prepare.zarr"
-    out = _torchrun(store, "--timeout-s", "3", "--slow-prepare-s", "7")
+    _assert_committed_as_uninterrupted(captured, tmp_path / "slow_prepare.zarr", "--timeout-s", "3",
+                                       "--slow-prepare-s", "7")
+
+
+def _assert_committed_as_uninterrupted(captured, store, *extra):
+    """Capture into ``store`` with the options ``extra``: it commits, equal to ``captured``."""
+    out = _torchrun(store, *extra)
     assert out.returncode == 0, out.stderr[-3000:]
     ref, got = acs.open_store(captured[0]), acs.open_store(store)
     assert got.status == "complete" and got.hook_points == ref.hook_points
     for hp in ref.hook_points:
         assert torch.equal(got[hp], ref[hp])
     assert got.row_table("sample").equals(ref.row_table("sample"))
+
+
+def _assert_rank_1_failure_told(store, *extra, error, caught=None):
+    """Capture into ``store`` with the options ``extra``, rank 1 failing: the capture fails,
+    its output names rank 1 and ``error`` (and ``caught``, what rank 1's script caught), and
+    nothing is committed. Returns the output (stdout and stderr)."""
+    out = _torchrun(store, *extra)
+    assert out.returncode != 0
+    err = out.stdout + out.stderr
+    if caught is not None:
+        assert f"rank 1 caught: {caught}" in err, err[-3000:]
+    assert f"rank(s) [1] failed (rank 1: {error})" in err, err[-3000:]
+    assert "nothing was committed" in err
+    assert acs.open_store(store).status == "incomplete"
+    return err
 
 
 def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
@@ -1732,14 +1745,9 @@ def test_a_rank_whose_store_fails_to_open_tells_the_others(tmp_path):
     with gloo's "Connection closed by peer", rank 1's error unsaid). Rank 1 now sends its
     failure through that group before it raises: rank 0 raises naming rank 1 and its error,
     and nothing is committed."""
-    store = tmp_path / "fail_open.zarr"
-    out = _torchrun(store, "--fail-open-rank", "1", "--alive-s", "10")
-    assert out.returncode != 0
-    err = out.stdout + out.stderr
-    assert "rank 1 caught: injected failure to open the store of rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (rank 1: StoreError: injected failure to open the store of rank 1)" in err, err[-3000:]
-    assert "nothing was committed" in err
-    assert acs.open_store(store).status == "incomplete"
+    _assert_rank_1_failure_told(tmp_path / "fail_open.zarr", "--fail-open-rank", "1", "--alive-s", "10",
+                                caught="injected failure to open the store of rank 1",
+                                error="StoreError: injected failure to open the store of rank 1")
 
 
 def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_path):
@@ -1748,14 +1756,9 @@ def test_a_rank_whose_setup_fails_after_its_store_opened_tells_the_others(tmp_pa
     outcome up to 24 hours (here until rank 1's process exited). Rank 1's writer is now
     discarded with that error sent through the outcome exchange: rank 0 raises naming rank 1
     and its error, and nothing is committed."""
-    store = tmp_path / "fail_attach.zarr"
-    out = _torchrun(store, "--fail-attach-rank", "1", "--alive-s", "10")
-    assert out.returncode != 0
-    err = out.stdout + out.stderr
-    assert "rank 1 caught: injected failure to wrap a module on rank 1" in err, err[-3000:]
-    assert "rank(s) [1] failed (rank 1: RuntimeError: injected failure to wrap a module on rank 1)" in err, err[-3000:]
-    assert "nothing was committed" in err
-    assert acs.open_store(store).status == "incomplete"
+    _assert_rank_1_failure_told(tmp_path / "fail_attach.zarr", "--fail-attach-rank", "1", "--alive-s", "10",
+                                caught="injected failure to wrap a module on rank 1",
+                                error="RuntimeError: injected failure to wrap a module on rank 1")
 
 
 def test_a_rank_whose_forward_raised_tells_the_others_its_error(tmp_path):
@@ -1763,14 +1766,10 @@ def test_a_rank_whose_forward_raised_tells_the_others_its_error(tmp_path):
     other ranks raised "rank(s) [1] failed (rank 1: StoreError: the capture on this rank
     stopped early)", its error in rank 1's log only. The tracker now gives the writer that
     exception before it closes the rank store: every rank's error names it."""
-    store = tmp_path / "raised.zarr"
-    out = _torchrun(store, "--die-at-batch", "5", "--die-rank", "1", "--die-how", "raise")
-    assert out.returncode != 0
-    err = out.stdout + out.stderr
-    said = "rank(s) [1] failed (rank 1: RuntimeError: injected failure in the forward of batch 5 on rank 1)"
-    assert said in err, err[-3000:]
-    assert "stopped early" not in err and "nothing was committed" in err
-    assert acs.open_store(store).status == "incomplete"
+    err = _assert_rank_1_failure_told(tmp_path / "raised.zarr", "--die-at-batch", "5", "--die-rank", "1",
+                                      "--die-how", "raise",
+                                      error="RuntimeError: injected failure in the forward of batch 5 on rank 1")
+    assert "stopped early" not in err
 
 
 def test_a_wait_group_gloo_cannot_make_falls_back_to_the_default_group(tmp_path, captured):

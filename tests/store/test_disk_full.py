@@ -22,6 +22,8 @@ from activationscope.store import copy_store, open_store
 from activationscope.store import _format as F
 from activationscope.store._backend import LocalBackend
 
+from acs_testing import plain_hooks
+
 import store_child
 from store_models import MLP, batches_mlp
 
@@ -33,17 +35,8 @@ HOOK_POINTS = ("fc1.output", "act.output", "fc2.output")
 
 def _plain_rows(model, xs):
     """The hook points' rows by plain PyTorch forward hooks (no activationscope)."""
-    rows = {hp: [] for hp in HOOK_POINTS}
-    handles = [getattr(model, hp.split(".")[0]).register_forward_hook(
-        lambda m, i, o, hp=hp: rows[hp].append(o.detach().clone())) for hp in HOOK_POINTS]
-    try:
-        with torch.no_grad():
-            for x in xs:
-                model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return {hp: torch.cat(v) for hp, v in rows.items()}
+    rows, _ = plain_hooks(model, lambda: [model(x) for x in xs], [hp.split(".")[0] for hp in HOOK_POINTS])
+    return {hp: torch.cat(rows[hp]) for hp in HOOK_POINTS}
 
 
 def _model_and_data():
