@@ -524,6 +524,16 @@ def settled_replaced(attrs: Any) -> bool:
     return committed_a_forward(attrs) or (isinstance(attrs, dict) and attrs.get("status") == "complete")
 
 
+def listed_manifests(attrs: Any) -> list[str]:
+    """The manifest keys (FORMAT.md section 5) of the arrays with committed rows that a store's
+    metadata (parsed root attributes) list."""
+    arrays = attrs.get("arrays") if isinstance(attrs, dict) else None
+    if not isinstance(arrays, dict):
+        return []
+    return [str(meta["manifest"]) for meta in arrays.values()
+            if isinstance(meta, dict) and meta.get("manifest") and int(meta.get("n_rows") or 0) > 0]
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
