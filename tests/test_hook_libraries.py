@@ -107,6 +107,30 @@ def test_model_forward_replaced_in_a_store_capture_names_the_cause(tmp_path):
     assert acs.open_store(path)["fc2.output"].shape[0] == 5
 
 
+@pytest.mark.parametrize("how", ["closure", "after_last_forward"])
+def test_forward_replaced_without_loss_is_not_warned(how):
+    # a forward replaced while tracked by a closure that calls the one it replaced (no
+    # functools.wraps), or replaced after the last forward, lost no call: the warning said
+    # "their calls since were not recorded, so the records of hook points ... end there"
+    torch.manual_seed(0)
+    model = MLP()
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+            model(xs[0])
+            if how == "closure":
+                inner = model.fc1.forward
+                model.fc1.forward = lambda *args, **kwargs: inner(*args, **kwargs)
+            for x in xs[1:]:
+                model(x)
+            if how == "after_last_forward":
+                _restore_forward(model.fc1)
+    assert [t.shape[0] for t in tracker.activations["fc1.output"]] == [5, 5, 5]
+    assert torch.equal(tracker.activations["fc1.output"][2], model.fc1(xs[2]))
+    assert not [w for w in _capture_warnings(caught) if "replaced" in w], _capture_warnings(caught)
+
+
 def test_forward_wrapping_the_capture_keeps_recording_and_is_undone():
     # accelerate hooks added to a tracked module (cpu_offload inside the block) keep the capture's
     # forward as the one they call (_old_forward): the calls were recorded, but after the block

@@ -154,6 +154,10 @@ def run_capture(
     local = local_path(out) if isinstance(out, (str, os.PathLike)) else None
     folder_existed = local is not None and os.path.isdir(local)
     path_existed = local is not None and os.path.lexists(local)  # (nothing there: a failure has nothing to keep)
+    from ..capture.writer import merges_reductions
+
+    # (torchrun: a multi-rank overwrite deletes the old store before the ranks write, never put back)
+    multi_rank = merges_reductions(out, store_options or {})
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
     start = time.perf_counter()
@@ -246,6 +250,9 @@ def run_capture(
                 f"nothing was committed at {out}" if new_store and not (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 and not _readable_store(out) else
                 f"{out} is left as it was" if tracker._refused is not None else
+                f"the store that was at {out} was deleted when this capture started (--overwrite on several ranks "
+                "replaces it before the ranks write, docs/usage/distributed.md); " + _what_is_kept(out, resumable)
+                if (store_options or {}).get("overwrite") and multi_rank else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 else

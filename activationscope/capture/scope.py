@@ -1983,11 +1983,26 @@ class Tracker:
             silent = [(n, m) for n, m in silent if not _no_forward(m)]
         return silent
 
+    def _replaced_with_loss(self) -> list[str]:
+        """The modules of :meth:`_replaced_forwards` whose calls may have gone unrecorded: a
+        hook point of theirs was recorded in fewer captured forwards than the model ran (or
+        they have none). A forward replaced by one that still calls the capture's (a closure
+        around it) or replaced after the last forward lost nothing: not named."""
+        if not self._replaced:
+            return []
+        sinks = dict(self._sinks)
+        calls: dict[str, list[int]] = {}
+        for h, sink in sinks.items():
+            calls.setdefault(self._module_of(h), []).append(int(sink.n_calls))
+        return [n for n in self._replaced
+                if not n or not calls.get(n) or min(calls[n]) < self._n_captured]
+
     def _warn_silent(self, silent: list[tuple[str, torch.nn.Module]]) -> None:
-        if self._replaced and self._n_captured:
-            hook_points = sorted(h for h in self._sinks if self._module_of(h) in self._replaced)
+        replaced = self._replaced_with_loss()
+        if replaced and self._n_captured:
+            hook_points = sorted(h for h in self._sinks if self._module_of(h) in replaced)
             warn_at_caller(
-                f"the forward of tracked module(s) {_replaced_message(self._replaced, self.model)} was replaced while "
+                f"the forward of tracked module(s) {_replaced_message(replaced, self.model)} was replaced while "
                 "it was tracked, by one that no longer runs the capture (an assignment to module.forward, as "
                 "accelerate's add_hook_to_module / remove_hook_from_module make): their calls since were not "
                 f"recorded, so the records of hook points {_names(hook_points)} end there. Prepare the model "

@@ -524,6 +524,19 @@ def settled_replaced(attrs: Any) -> bool:
     return committed_a_forward(attrs) or (isinstance(attrs, dict) and attrs.get("status") == "complete")
 
 
+def listed_keys(attrs: Any) -> list[str]:
+    """The manifest keys (FORMAT.md section 5) of the arrays with committed rows and the row
+    table parts that a store's metadata (parsed root attributes) list."""
+    if not isinstance(attrs, dict):
+        return []
+    arrays, tables = attrs.get("arrays"), attrs.get("row_tables")
+    keys = [str(meta["manifest"]) for meta in (arrays.values() if isinstance(arrays, dict) else ())
+            if isinstance(meta, dict) and meta.get("manifest") and int(meta.get("n_rows") or 0) > 0]
+    for info in tables.values() if isinstance(tables, dict) else ():
+        keys += [str(k) for k in (info.get("parts") or () if isinstance(info, dict) else ())]
+    return keys
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 

@@ -3408,7 +3408,8 @@ class Store:
         is left of the store an ``overwrite=True`` replaced, its delete cut short (FORMAT.md
         section 7): named when it is the one such folder, holds no root document and nothing but
         a store's entries, and this store's root lists a committed forward (or says
-        ``complete``); the next ``resume=True`` or ``overwrite=True`` deletes it.
+        ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
+        ``overwrite=True`` deletes it.
 
         Returns
         -------
@@ -3418,7 +3419,8 @@ class Store:
             (:meth:`verify` names it).
         """
         out: list[str] = []
-        if isinstance(self._backend, LocalBackend) and F.settled_replaced(self._attrs):
+        if isinstance(self._backend, LocalBackend) and F.settled_replaced(self._attrs) and all(
+                self._backend.size(k) is not None for k in F.listed_keys(self._attrs)):
             remains = self._backend.replaced_remains()
             if remains is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "

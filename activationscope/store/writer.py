@@ -1342,7 +1342,11 @@ class StoreWriter:
             garbage = b.replaced_remains()
             try:
                 raw = b.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
-                settled = raw is not None and F.settled_replaced(V.parse_root(raw, store=b))
+                attrs = V.parse_root(raw, store=b) if raw is not None else None
+                # (and the store at the path holds the manifests and row table parts it lists: a root moved back by hand
+                # over the new one, its arrays still in that folder, is not garbage)
+                settled = attrs is not None and F.settled_replaced(attrs) and all(
+                    b.size(k) is not None for k in F.listed_keys(attrs))
             except StoreError:  # (a damaged root: the folder is named, as before)
                 settled = False
             if garbage is not None and settled and remains == [str(garbage)]:

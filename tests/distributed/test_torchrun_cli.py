@@ -204,6 +204,22 @@ def test_a_rank_that_fails_fails_every_rank_and_resume_completes_the_store(workd
     assert run["ranks"][1] == ("", "")
 
 
+def test_overwrite_under_torchrun_that_fails_says_the_old_store_is_gone(workdir):
+    # --overwrite on several ranks deletes the old store before the ranks write (a multi-rank
+    # overwrite): a rank whose model then raised said "the store that was at two.zarr is kept
+    # as it was (--overwrite replaces it only once the new capture commits)", and it was gone
+    assert cli.main(_capture_args("two.zarr", "--max-samples", "7")) == 0
+    assert acs.open_store(workdir / "two.zarr").n_samples == 7
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"), env={"FUSSY_LIMIT": "10"})
+    assert run["rc"] != 0
+    for r in range(WORLD):
+        err = run["ranks"][r][1]
+        assert "is kept as it was" not in err, (r, err)
+        assert "the store that was at two.zarr was deleted when this capture started" in err, (r, err)
+    store = acs.open_store(workdir / "two.zarr")
+    assert store.status == "incomplete" and store.n_samples < N and store.n_samples != 7
+
+
 def test_resume_under_torchrun_of_a_one_process_store_is_refused_on_every_rank(workdir):
     assert cli.main(_capture_args("one.zarr", "--max-samples", "20")) == 0
     before = {p: p.read_bytes() for p in (workdir / "one.zarr").rglob("*") if p.is_file()}

@@ -834,3 +834,31 @@ def test_a_store_killed_before_its_first_commit_names_the_old_store_aside_though
         s = open_store(path)
     assert s.hook_points == ["0.output"] and s.status == "incomplete" and s.n_samples == 0
     assert torch.equal(open_store(aside)[HP], data)  # (whole, there)
+
+
+@pytest.mark.parametrize("still_aside", ["acts", "rows"])
+def test_a_root_moved_back_by_hand_with_its_arrays_still_aside_is_not_called_garbage(tmp_path, still_aside):
+    """The folder of an overwrite killed before its new store committed holds the old store;
+    moved back by hand root first (``mv`` puts the root document over the new one and fails on
+    the folders the new store also has), the store at the path lists a committed forward and
+    the folder holds its arrays without a root document: the reader called that folder harmless,
+    to delete with rm -rf, and a resume deleted it; now it is named in a warning only, and kept."""
+    from activationscope.store._backend import resolve
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    aside = resolve(path).move_aside()  # (as an overwrite killed before its first commit leaves it)
+    (path / still_aside).mkdir()  # (the new store's)
+    shutil.move(aside / "zarr.json", path / "zarr.json")
+    for p in aside.iterdir():
+        if not (path / p.name).exists():
+            shutil.move(p, path / p.name)
+    held = _files(aside)
+    assert sorted(p.name for p in aside.iterdir()) == [still_aside] and held
+    assert open_store(path).leftovers() == []
+    with pytest.warns(RuntimeWarning, match="holds what is left of a store.*moving back by hand"):
+        try:
+            StoreWriter(path, resume=True).close()
+        except StoreError:  # (its arrays are not at the path)
+            pass
+    assert _files(aside) == held
