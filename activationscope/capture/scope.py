@@ -2357,8 +2357,9 @@ class Tracker:
                 sink.add_reduction(reduction)
                 names.append(red_name)
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
-            self._reduction_names[name] = names
+            # (objects first: the names are what the close goes through, reading the objects of each)
             self._reduction_objects[name] = objects
+            self._reduction_names[name] = names
             if objects and self.writer is not None:
                 # a store ends at the last whole forward: a forward cut short at the end is taken
                 # out of the reductions too (_rollback_open_forward)
