@@ -222,3 +222,29 @@ def test_interrupt_at_leaves_out_callbacks_run_by_weakref_finalize():
     del owner
     gc.collect()
     assert seen == [True] and not _run_by_finalize(sys._getframe())
+
+
+def test_ctrl_c_at_each_line_of_a_new_hook_point_leaves_the_ctrl_c_itself():
+    # a Ctrl-C at each line of the tracker's set-up of a new hook point with reductions (an
+    # in-memory capture): one between noting the hook point's reduction names and their objects
+    # was replaced, at the close, by a KeyError naming the hook point
+    from activationscope.capture import scope as S
+
+    model = toy_mlp(depth=1)
+    x = torch.randn(3, 16)
+
+    def cell():
+        with torch.no_grad(), acs.ActivationScope(reductions={"*": ["mean", "var"]}).track(model) as tracker:
+            model(x)
+        return tracker
+
+    cell()  # (first use: lazy imports)
+    counted = _InterruptInFunction(S.__file__, ("_new_sink",), None)
+    with counted:
+        cell()
+    assert counted.n > 20
+    for k in range(1, counted.n + 1):
+        with pytest.raises(KeyboardInterrupt), _InterruptInFunction(S.__file__, ("_new_sink",), k):
+            cell()
+    tracker = cell()
+    torch.testing.assert_close(tracker.reductions["0.output"]["mean"], model[0](x).double().mean(0))

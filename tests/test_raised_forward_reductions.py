@@ -15,7 +15,7 @@ import torch
 import activationscope as acs
 from activationscope.store import open_store
 
-from acs_testing import log_sum, log_sum_eager, log_sum_in_place
+from acs_testing import InterruptAt, log_sum, log_sum_eager, log_sum_in_place, toy_mlp
 
 STREAMING = acs.ReductionPolicy.STREAMING
 
@@ -276,3 +276,101 @@ def test_nan_or_inf_a_custom_reduction_made_in_a_taken_out_forward_gives_no_warn
         want = torch.cat([model.b(model.a(x)) for x in xs[:2]]).double().cpu()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want.log().sum(0))
+
+
+class _ForwardEnds(InterruptAt):
+    """:class:`InterruptAt` counting the lines only, noting for each forward's end (the
+    tracker's ``_on_forward_end``) the line numbers it ran, those of what it calls included."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.ends: list[list[int]] = []
+
+    def _call(self, frame, event, arg):
+        if frame.f_code.co_name == "_on_forward_end":
+            self.ends.append([])
+        return super()._call(frame, event, arg)
+
+    def _line(self, frame, event, arg):
+        out = super()._line(frame, event, arg)
+        if self.ends and frame.f_code.co_name == "_on_forward_end":
+            self.ends[-1].append(self.n)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["rows", "reductions only", "memory"])
+def test_ctrl_c_at_any_line_of_a_forward_end_leaves_reductions_of_the_rows_kept(tmp_path, kind):
+    """A Ctrl-C at each line of the second forward's end (and at one line in 50 elsewhere) of a
+    capture of three forwards: the reductions equal those of the rows kept, in float64. A
+    Ctrl-C after the tracker marked the forward ended but before the store recorded it left
+    that forward in the reductions of a store that ends before it (the close took it out only
+    of a forward still open): its reductions were stored as partial and left out (rows; the
+    cell catches the Ctrl-C and ends the block)."""
+    model = toy_mlp(depth=1)
+    xs = [torch.randn(n, 16) for n in (3, 4, 5)]
+    with torch.no_grad():
+        full = {"0.output": torch.cat([model[0](x) for x in xs]), "1.output": torch.cat([model(x) for x in xs])}
+    trackers = []
+
+    def cell(path):
+        if kind == "memory":
+            scope = acs.ActivationScope(reductions={"*": ["mean", "var"]})
+        else:
+            policy = {"reduction_policy": STREAMING} if kind == "reductions only" else {}
+            scope = acs.ActivationScope(store=str(path), reductions={"*": ["mean", "var"]},
+                                        store_options={"commit_interval": 0}, **policy)
+        with torch.no_grad(), scope.track(model) as tracker:
+            trackers.append(tracker)
+            for x in xs:
+                if kind != "rows":
+                    model(x)
+                    continue
+                try:
+                    model(x)
+                except KeyboardInterrupt:
+                    break  # (the block ends as usual: the close stores the reductions)
+
+    def check(path, where):
+        if kind == "memory":
+            got = trackers[-1].reductions if trackers else {}
+            rows = {hp: torch.cat(r) for hp, r in trackers[-1].activations.items() if r} if trackers else {}
+        elif (path / "zarr.json").exists():
+            store = open_store(path)
+            assert store.partial_reductions == {}, where
+            got = store.reductions
+            rows = {hp: store[hp] if kind == "rows" else full[hp][:store.reduced[hp]["n_rows"]] for hp in got}
+        else:
+            return
+        for hp, values in got.items():
+            x = rows.get(hp, torch.zeros(0, 16)).double()
+            if kind == "rows":
+                assert torch.equal(rows[hp], full[hp][:x.shape[0]]), (where, hp)
+            # (a Ctrl-C in the close as it stored them may leave some out: the store is incomplete)
+            for name, want in (("mean", x.mean(0)), ("var", x.var(0, correction=0))):
+                if f"{name}.count" in values:
+                    assert int(values[f"{name}.count"]) == x.shape[0], (where, hp, name)
+                if name in values and x.shape[0]:
+                    torch.testing.assert_close(values[name], want, rtol=1e-10, atol=1e-12, msg=f"{where} {hp} {name}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cell(tmp_path / "first.zarr")  # (first use: lazy imports)
+        with _ForwardEnds() as counted:
+            cell(tmp_path / "counted.zarr")
+        assert len(counted.ends) == 3
+        second = range(counted.ends[1][0], counted.ends[1][-1] + 1)
+        # (one line in 50 elsewhere, but in a store of reductions only, whose commits a Ctrl-C
+        # can leave unreadable, the forward's end only)
+        elsewhere = range(1, counted.n + 1, 50) if kind != "reductions only" else ()
+        ks = sorted(set(second) | set(elsewhere))
+        for k in ks:
+            path = tmp_path / f"{k}.zarr"
+            trackers.clear()
+            try:
+                with InterruptAt(k) as where:
+                    cell(path)
+            except KeyboardInterrupt:
+                pass
+            except acs.CaptureError:  # (no whole forward: the new store is removed)
+                assert not (path / "zarr.json").exists(), where.where
+            check(path, where.where)

@@ -126,10 +126,13 @@ def test_model_identity_refuses_weights_split_across_ranks(tmp_path):
     script = tmp_path / "split.py"
     script.write_text(_SPLIT.format(pg=str(tmp_path / "pg")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # (every assertion shows both ranks' output: stdout and stderr)
+    seen = f"exit code {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, seen
     lines = sorted(proc.stdout.strip().splitlines())
-    assert len(lines) == 2 and [line[0] for line in lines] == ["0", "1"], proc.stdout
-    assert all("state dict entry '0.bias' is a DTensor split across 2 ranks (Shard(dim=0))" in line for line in lines)
+    assert len(lines) == 2 and [line[0] for line in lines] == ["0", "1"], seen
+    assert all("state dict entry '0.bias' is a DTensor split across 2 ranks (Shard(dim=0))" in line
+               for line in lines), seen
 
 
 @pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload", "dispatch_model"])

@@ -1000,6 +1000,7 @@ class Tracker:
         # samples already fed): the default sample ids do not count them
         self._repeated_samples = 0
         self._open_forward: int | None = None  # index of a root forward that started and has not ended
+        self._batches_at_start: int | None = None  # the writer's n_batches_recorded as it started
         self._n_raised = 0  # captured forwards that raised, the exception caught inside the block
         self._stop_learnt = False  # stop_after_last: the stop point was known when this forward started
         self._warned_stop = False
@@ -1940,6 +1941,9 @@ class Tracker:
         the exception caught inside the block or leaving it): the store ends at the whole forward
         before it, so every hook point's reductions are put back as they were before that forward
         (and the rows they count), to cover exactly the rows the store commits."""
+        recorded = getattr(self.writer, "n_batches_recorded", None)
+        if recorded is not None and self._batches_at_start is not None and int(recorded) > self._batches_at_start:
+            return  # (the writer recorded it after all: a Ctrl-C landed as its add_batch returned)
         with self._new_hook_point_lock:
             sinks = list(self._sinks.values())
         for sink in sinks:
@@ -2379,8 +2383,9 @@ class Tracker:
                 sink.add_reduction(reduction)
                 names.append(red_name)
                 objects.append(reduction)  # keeps Python subclasses (eager reductions) alive
-            self._reduction_names[name] = names
+            # (objects first: the names are what the close goes through, reading the objects of each)
             self._reduction_objects[name] = objects
+            self._reduction_names[name] = names
             if objects and self.writer is not None:
                 # a store ends at the last whole forward: a forward cut short at the end is taken
                 # out of the reductions too (_rollback_open_forward)
@@ -2956,6 +2961,7 @@ class Tracker:
             self._check_batch_size(self._pending_batch)
         if not self._core.capturing and self.writer is not None:
             self._check_skipped_counted(self._pending_batch or {})
+        self._batches_at_start = getattr(self.writer, "n_batches_recorded", None)  # (first: see _rollback_open_forward)
         self._open_forward = self._core.n_forwards - 1 if self._core.capturing else None
         if self._pending_batch is not None:
             self._batch = self._pending_batch
@@ -3249,7 +3255,8 @@ class Tracker:
         self._warn_side_sample_rows()
         if self._train_phase:
             self._check_training_stop()
-        self._open_forward = None
+        # (_open_forward stays set until the forward is recorded: an error or a Ctrl-C before
+        # that leaves it open, and the close takes it out of the reductions as one that raised)
         self._stop_watching()
         self._unprobe_dropouts()
         if self._hook_probes:
@@ -3258,6 +3265,7 @@ class Tracker:
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
+            self._open_forward = None
             # (a forward the policy skipped: its samples still count, unless they are the last
             # forward's again, same_samples=True; a same_samples=True forward after it continues them)
             if self._core.n_forwards > 0 and not (self._batch or {}).get("same_samples"):
@@ -3349,9 +3357,10 @@ class Tracker:
                 self._reduced_rows = {hp: self._reduction_base.get(hp, 0) + int(self._sinks[hp].n_rows)
                                       for hp in self._reduced_rows}
                 extra["reduced_rows"] = dict(self._reduced_rows)
-            lost = self.writer.add_batch(
-                n_samples=n, sample_ids=ids, token_mask=mask, columns=batch.get("columns") or {}, **extra,
-            )
+            add, columns = self.writer.add_batch, batch.get("columns") or {}
+            # (recorded and no longer open in one line: a Ctrl-C between the two would leave the
+            # store holding a forward whose rows the close takes out of the reductions)
+            lost, self._open_forward = add(n_samples=n, sample_ids=ids, token_mask=mask, columns=columns, **extra), None
             if lost and self._refused is None:  # a refused resume commits nothing
                 self._warn_row_table_lost(lost)
             if self._expert_paths is None:
@@ -3361,6 +3370,7 @@ class Tracker:
                 self._leave_row_table_experts()
             self.writer.maybe_commit()
         else:
+            self._open_forward = None
             self._last_ids = (_copy_ids(batch.get("sample_ids")), self._next_counted_id(), n)
         if batch.get("same_samples"):
             self._repeated_samples += n

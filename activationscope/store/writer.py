@@ -2742,6 +2742,14 @@ class StoreWriter:
         return self._n_batches
 
     @property
+    def n_batches_recorded(self) -> int:
+        """Batches (captured forwards) recorded by :meth:`add_batch`, committed or not, those
+        of the run it resumes included. It grows by one at the single step that records a batch,
+        so a capture interrupted in :meth:`add_batch` (a Ctrl-C) tells from it whether its forward
+        was recorded."""
+        return self._n_batches + len(self._pending)
+
+    @property
     def next_sample_id(self) -> int:
         """The id the running counter gives the next sample recorded without ids: the samples
         of the data fed so far, those of the run it resumes included, each counted once.
