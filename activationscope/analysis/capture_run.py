@@ -156,7 +156,8 @@ def run_capture(
     path_existed = local is not None and os.path.lexists(local)  # (nothing there: a failure has nothing to keep)
     from ..capture.writer import merges_reductions
 
-    # (torchrun: a multi-rank overwrite deletes the old store before the ranks write, never put back)
+    # (torchrun: a multi-rank overwrite of a local store puts it back when nothing is committed; on
+    # object storage it deletes the old store before the ranks write, never put back)
     multi_rank = merges_reductions(out, store_options or {})
     bar = tqdm(total=n_total, unit="samples", desc=desc, disable=not progress, dynamic_ncols=True,
                file=sys.stderr, leave=True)
@@ -240,6 +241,8 @@ def run_capture(
         put_back = tracker._store_put_back  # (--overwrite, no row committed: the earlier store kept, said in a note)
         if put_back is not None and put_back in (getattr(e, "__notes__", None) or ()):
             e.__notes__.remove(put_back)  # (said below in the command's words)
+        if put_back is None and multi_rank and getattr(tracker.writer, "put_back", False):
+            put_back = ""  # (several ranks, local --overwrite: rank 0 put the earlier store back, said by every rank)
         tail = (f"this capture wrote nothing; {out} is left to the writer that holds it"
                 if isinstance(e, StoreLockedError) else
                 f"no row was committed, so the new store {out} was removed" if removed else
@@ -251,8 +254,10 @@ def run_capture(
                 and summary.n_forwards == 0 and not _readable_store(out) else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"the store that was at {out} was deleted when this capture started (--overwrite on several ranks "
-                "replaces it before the ranks write, docs/usage/distributed.md); " + _what_is_kept(out, resumable)
-                if (store_options or {}).get("overwrite") and multi_rank else
+                "replaces a store on object storage before the ranks write, docs/usage/distributed.md); "
+                + _what_is_kept(out, resumable)
+                if (store_options or {}).get("overwrite") and multi_rank and local is None else
+                _what_is_kept(out, resumable) if multi_rank and (store_options or {}).get("overwrite") else
                 f"no row was committed, so the store that was at {out} is kept as it was (overwrite replaces it "
                 "only once the new capture commits)" if (store_options or {}).get("overwrite")
                 and summary.n_forwards == 0 else
@@ -261,7 +266,8 @@ def run_capture(
             said = str(e)
             said = said[:-1] if said.endswith(".") and not said.endswith("..") else said  # (no ".;")
             raise CaptureError(f"{said}; {tail}") from e.__cause__
-        if not gone:  # (the tracker's note says it already)
+        # (the tracker's note says it already; several ranks: the error says the earlier store is put back)
+        if not gone and not (put_back == "" and "is put back as it was" in str(e)):
             e.add_note(tail)
         raise e
     finally:

@@ -51,7 +51,8 @@ from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .reader import other_feature_shape
 from .reader import recorded_world_size as _recorded_world_size
-from .writer import ROW_KINDS, _builtin_state_fits, _library_versions, _write_small_array, resume_history
+from .writer import (ROW_KINDS, _AsideDelete, _builtin_state_fits, _library_versions, _write_small_array,
+                     resume_history)
 
 RANKS_DIR = "ranks"
 #: Version of stores committed from rank stores (one-process stores stay version 1).
@@ -81,7 +82,9 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
     ``distributed = {"world_size", "committed": false, "run_id"}``, so the store opens (as
     incomplete) while the ranks write. With ``overwrite``, that root is written over the old
     one first, and the old store's objects are deleted after it; a resume removes rank stores
-    of another run (FORMAT.md section 10).
+    of another run (FORMAT.md section 10). (A multi-rank capture's rank 0 instead moves a
+    local old store aside and deletes it only once the ranks' commit is written, putting it
+    back when nothing is committed.)
 
     Returns
     -------
@@ -100,12 +103,22 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
         ``resume`` of a store captured with another world size, or of a store whose ranks
         were already committed.
     """
+    return _prepare(target, world_size, overwrite, resume, storage_options, None)
+
+
+def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storage_options: dict | None,
+             aside: list | None) -> str | None:
+    """:func:`prepare_root`; with ``aside`` (a list: the capture's rank 0), a local overwrite
+    moves the old store aside instead of deleting it and appends that folder to ``aside``
+    (the capture settles it: :meth:`RankSession.settle_aside`)."""
     b = resolve(target, storage_options=storage_options)
     check_backend_not_in_store(b)
+    existed = True
     if isinstance(b, LocalBackend):
+        existed = b.root.is_dir()  # (a folder that was not there holds nothing to take over)
         b.root.mkdir(parents=True, exist_ok=True)
     with WriterLock(b):  # the store's writer lock, as every writer takes it
-        return _prepare_root(b, world_size, overwrite, resume)
+        return _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
 
 
 def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, ranks_run: str | None) -> dict:
@@ -120,6 +133,17 @@ def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, r
     return attrs
 
 
+def _root_committed(root: str, storage_options: dict | None) -> bool:
+    """Whether the root of the multi-rank store ``root`` records its ranks' commit
+    (``distributed.committed`` true: the commit wrote it, whatever failed after)."""
+    try:
+        b = resolve(root, storage_options=storage_options)
+        dist = json.loads(b.get("zarr.json"))["attributes"][F.ATTRS_KEY]["distributed"]
+        return isinstance(dist, dict) and dist.get("committed") is True
+    except Exception:  # noqa: BLE001 - unreadable: not known to be committed
+        return False
+
+
 def _root_ranks_run(b: Any) -> str | None:
     """The ``distributed.run_id`` of the root of ``b`` while uncommitted, else None."""
     try:
@@ -129,7 +153,31 @@ def _root_ranks_run(b: Any) -> str | None:
     return None if not isinstance(dist, dict) or dist.get("committed") is not False else ranks_run_id(dist)
 
 
-def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str | None:
+def _adopt_aside(b: LocalBackend) -> Path | None:
+    """A local multi-rank overwrite (under the writer lock): what an earlier overwrite killed
+    before it settled the old store left, taken over as a one-process writer does
+    (``StoreWriter._open_existing``): an unstarted store at the path (a one-process run that
+    committed no forward, or an uncommitted multi-rank root with its rank stores) whose old
+    store is whole in the one folder aside goes, and a move cut short is finished. Returns the
+    folder that now holds the whole old store (settled as this overwrite's own), or None."""
+    b.drop_empty_aside_folders()
+    raw = b.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+    if raw is not None and b.moved_roots():
+        try:
+            attrs = V.parse_root(raw, store=b)
+        except StoreError:
+            attrs = None  # (a damaged root: moved aside as any other store)
+        if attrs is not None:
+            refuse_foreign_entries(b)  # (a file of the user's beside it is never removed)
+            b.drop_unstarted_store(attrs, ranks=True)
+    return b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
+
+
+def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool, aside: list | None = None,
+                  adopt: bool = True) -> str | None:
+    # a local overwrite of the capture moves the old store aside (FORMAT.md section 7), as one process
+    local_aside = aside is not None and overwrite and isinstance(b, LocalBackend)
+    adopted = _adopt_aside(b) if local_aside and adopt else None
     raw = b.get("zarr.json")
     kept: dict | None = None  # the root a resume continues: its run (run_id, created) stays
     replacing = False  # overwrite: the old objects go once the new root is written
@@ -168,11 +216,18 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
                 raise StoreError(f"{str(b)!r} was captured by {dist.get('world_size')} ranks, this run has "
                                  f"{world_size}; resume with the same number of ranks or overwrite=True")
             kept = attrs
+            left = b.moved_roots() if isinstance(b, LocalBackend) else []
+            if left:  # (an overwrite killed before its ranks' commit: as a one-process resume, named and kept)
+                warn_at_caller(
+                    f"store {str(b)!r}: {str(left[0])!r}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} "
+                    "holds a store that an earlier overwrite=True moved aside and never settled (its writer was killed "
+                    "before the new store there committed); it is not this store. To keep it, move its entries back "
+                    f"into {str(b)!r} (by hand, with no writer running); else delete it", RuntimeWarning)
         else:
             status = (attrs or {}).get("status", "not an activationscope store")
             raise StoreExistsError(f"a store already exists at {str(b)!r} (status {status!r}); pass overwrite=True to "
                                    "replace it or resume=True to continue it")
-    elif (moved := b.moved_aside_hint() if isinstance(b, LocalBackend) else ""):
+    elif adopted is None and (moved := b.moved_aside_hint() if isinstance(b, LocalBackend) else ""):
         # (a one-process overwrite killed partway: its folder aside holds the old root; the path
         # holds the rest of the old store, or nothing)
         raise StoreExistsError(f"{str(b)!r} holds no root document (zarr.json): {moved}; then run this capture "
@@ -192,6 +247,13 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool) -> str
     # written before that keeps showing every rank store, as it did)
     ranks_run = ranks_run_id((kept or {}).get("distributed")) if kept is not None else run_id
     attrs = _uncommitted_root_attrs(world_size, run_id, created, ranks_run)
+    if local_aside:
+        # the old store (every entry, root first, one rename each) goes aside until the ranks'
+        # commit: deleted then, put back whole if nothing is committed
+        moved = adopted if adopted is not None else b.move_aside() if replacing else None
+        if moved is not None:
+            aside.append(moved)
+        replacing = False
     # the new run's root first, over the old one: from here on no object of the old run is read as
     # this store's (its arrays are not listed, its rank stores record another run), whatever is left
     # of them when the process dies; then they go
@@ -1654,6 +1716,38 @@ class RankSession:
         #: is ``wait_s``, made by :meth:`writer_options` before the preparation (None: the
         #: default group, when that gloo group could not be made)
         self._wait_group: Any = None
+        #: rank 0, local ``overwrite=True``: the folder the old store was moved into
+        #: (``.<name>.replaced-<hex>``, FORMAT.md section 7) until the ranks' commit (settled by
+        #: :meth:`_settle_aside`); one entry at most
+        self._aside: list[Path] = []
+        #: the old store was put back (the ranks committed nothing): every rank knows it after the close
+        self.put_back = False
+
+    def _settle_aside(self, committed: bool) -> str | None:
+        """Rank 0, local ``overwrite=True``: once the ranks' commit is written (``committed``),
+        delete the old store moved aside (its root document first, as one process does); else,
+        every rank's store closed, put it back whole in place of the new run's root and rank
+        stores, under the store's writer lock. Returns None when there was nothing to settle or
+        it went well, else a sentence naming the folder that still holds the old store."""
+        if not self._aside:
+            return None
+        aside = self._aside.pop()
+        if committed:
+            with contextlib.suppress(OSError):
+                (aside / "zarr.json").unlink()
+            _AsideDelete(aside).finish(self.root)  # (warns, naming the folder, when part of it stays)
+            return None
+        b = resolve(self.root, storage_options=self.storage_options)
+        try:
+            with WriterLock(b):
+                b.restore_aside(aside)
+        except Exception as e:  # noqa: BLE001 - said by every rank
+            return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
+                    f"({type(e).__name__}: {e}); it is still whole there: with no writer running, move every entry "
+                    f"of that folder back into {self.root!r} (zarr.json last), or run the capture again with "
+                    "overwrite=True")
+        self.put_back = True
+        return None
 
     def _gather(self, obj: Any, group: Any = None) -> list:
         import torch.distributed as dist
@@ -1717,8 +1811,8 @@ class RankSession:
             error = run_id = None
             if self.rank == 0:
                 try:
-                    run_id = prepare_root(self.root, world_size=self.world_size, overwrite=overwrite, resume=resume,
-                                          storage_options=opts.get("storage_options"))
+                    run_id = _prepare(self.root, self.world_size, overwrite, resume, opts.get("storage_options"),
+                                      self._aside)
                 except Exception as e:  # noqa: BLE001 - every rank must learn it
                     error = e
             try:
@@ -1746,6 +1840,11 @@ class RankSession:
                 raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
         except BaseException:  # (every rank raises here alike: nothing more to exchange)
             self._release_wait_group()
+            if self._aside:  # (rank 0: no rank writes; the old store goes back)
+                self.storage_options = opts.get("storage_options")
+                failed = self._settle_aside(committed=False)
+                if failed is not None:
+                    warn_at_caller(f"store {self.root!r}: {failed}", RuntimeWarning)
             raise
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
@@ -1779,6 +1878,8 @@ class RankSession:
             pass
         finally:
             self._release_wait_group()
+        if self.put_back:
+            exc.add_note(f"the store that overwrite=True was to replace at {self.root!r} is put back as it was")
 
     def _not_arrived(self) -> list[int]:
         """The ranks that did not reach :meth:`_finish` (their key unset), in order; empty when
@@ -1859,6 +1960,9 @@ class RankSession:
                 "with store_options resume=True to continue every rank, or run `activationscope consolidate STORE` "
                 "once every rank store is complete. Ranks that finish their share further apart than that (uneven "
                 "data) need a longer store_options rank_wait_s (in seconds, the same on every rank)"
+                + (f". The store that overwrite=True replaces is still whole in {str(self._aside[0])!r}: run the "
+                   "capture again with overwrite=True (it is put back if that capture commits nothing, deleted once it "
+                   "commits), or move its entries back by hand (zarr.json last)" if self._aside else "")
             ) from e
         self.timings["wait_s"] = time.monotonic() - t0
         failed = {r: s for r, s in enumerate(seen) if s is not None}
@@ -1876,8 +1980,12 @@ class RankSession:
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"
+        # rank 0, local overwrite=True with nothing committed (every rank's store is closed): the
+        # old store goes back before the ranks learn the outcome, so that every rank's error says it
+        committed = not failed and (outcome is None or _root_committed(self.root, self.storage_options))
+        kept = None if committed else self._settle_aside(committed=False)
         try:
-            outcomes = self._gather(outcome, self._wait_group)
+            outcomes = self._gather((outcome, self.put_back, kept), self._wait_group)
         except Exception as e:
             if self.rank == 0 or failed:
                 raise
@@ -1887,20 +1995,32 @@ class RankSession:
                 "is complete; if not, run `activationscope consolidate STORE` (the rank stores are kept). Commits "
                 "that take longer (a large store on object storage) need a longer store_options rank_wait_s (in seconds)"
             ) from e
+        if committed and self.rank == 0:
+            self._settle_aside(committed=True)  # (the ranks' commit is written: the old store goes)
+        outcome, self.put_back, kept = outcomes[0]
+        # (overwrite=True: the old store put back, or still in the folder aside)
+        fate = (f"the store that overwrite=True was to replace at {self.root!r} is put back as it was (open_store "
+                "reads it; no row of this capture is kept): once the cause is fixed, run the capture again with "
+                "overwrite=True" if self.put_back else kept)
         if error is not None:
+            if fate is not None:
+                error.add_note(fate)
             raise error
+        if exc is not None and fate is not None and not self.put_back:
+            exc.add_note(fate)  # (put back: the capture's note says it, from put_back)
         if failed and exc is None:
             raise StoreError(
                 f"multi-rank capture into {self.root!r}: rank(s) {sorted(failed)} failed "
                 f"({'; '.join(f'rank {r}: {e}' for r, e in sorted(failed.items()))}); "
-                "nothing was committed. Fix what they report; every rank's committed rows are kept in its rank "
-                "store: rerun with "
+                "nothing was committed" + (f", and {fate}" if fate is not None else
+                ". Fix what they report; every rank's committed rows are kept in its rank store: rerun with "
                 "store_options resume=True to continue, or run `activationscope consolidate` once every rank store "
-                "is complete"
+                "is complete")
             )
-        if outcomes[0] is not None and exc is None:
-            raise StoreError(f"rank 0 could not commit the multi-rank store {self.root!r}: {outcomes[0]}; the rank "
-                             "stores are kept: run `activationscope consolidate STORE` to finish the commit")
+        if outcome is not None and exc is None:
+            raise StoreError(f"rank 0 could not commit the multi-rank store {self.root!r}: {outcome}; " + (
+                fate if fate is not None else
+                "the rank stores are kept: run `activationscope consolidate STORE` to finish the commit"))
 
 
 class RankWriter:
@@ -1953,6 +2073,12 @@ class RankWriter:
     def rank(self) -> int:
         """This process's rank."""
         return self._session.rank
+
+    @property
+    def put_back(self) -> bool:
+        """After the close of a local ``overwrite=True`` capture whose ranks committed nothing:
+        True when rank 0 put the store it was to replace back whole (on every rank)."""
+        return self._session.put_back
 
     def add_reductions(self, hook_point: str, name: str, reduction: Any, *args: Any, **kwargs: Any) -> None:
         """Store the reduction (result and state, FORMAT.md section 6) in the rank store; keep

@@ -246,3 +246,20 @@ def test_the_warning_about_a_store_moved_aside_names_the_line_of_the_user_s_code
     (w,) = [w for w in caught if "never settled" in str(w.message)]
     assert str(aside) in str(w.message)
     assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
+
+
+def test_a_resume_names_the_old_store_a_killed_overwrite_left_aside(tmp_path):
+    """A multi-rank overwrite killed before its ranks' commit leaves the old store in
+    ``.<name>.replaced-<hex>`` (FORMAT.md section 7): a resume of the new run keeps that folder,
+    as a one-process resume does, and names it in a warning instead of saying nothing."""
+    url = str(tmp_path / "s.zarr")
+    prepare_root(url, world_size=WORLD)
+    old = tmp_path / "old.zarr"
+    prepare_root(str(old), world_size=WORLD)
+    aside = tmp_path / ".s.zarr.replaced-0123abcd"
+    old.rename(aside)
+    before = sorted(p.name for p in aside.iterdir())
+    with pytest.warns(RuntimeWarning, match=r"\.s\.zarr\.replaced-0123abcd' holds a store that an earlier "
+                      r"overwrite=True moved aside and never settled"):
+        prepare_root(url, world_size=WORLD, resume=True)
+    assert sorted(p.name for p in aside.iterdir()) == before

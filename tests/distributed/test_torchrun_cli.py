@@ -45,6 +45,8 @@ FACTORY = textwrap.dedent('''
             self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 
         def forward(self, x):
+            if os.environ.get("FUSSY_KILL_RANK") == os.environ.get("RANK", "-"):
+                os.kill(os.getpid(), 9)  # (SIGKILL: no cleanup of any kind)
             limit = os.environ.get("FUSSY_LIMIT")
             if limit is not None and bool((x[:, 0] > float(limit)).any()):
                 raise ValueError(f"a sample above {limit}")
@@ -67,7 +69,7 @@ def workdir(tmp_path, monkeypatch):
     np.save(tmp_path / "inputs.npy", x)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FUSSY_LIMIT"):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FUSSY_LIMIT", "FUSSY_KILL_RANK"):
         monkeypatch.delenv(k, raising=False)
     sys.modules.pop("toycli", None)
     return tmp_path
@@ -204,20 +206,71 @@ def test_a_rank_that_fails_fails_every_rank_and_resume_completes_the_store(workd
     assert run["ranks"][1] == ("", "")
 
 
-def test_overwrite_under_torchrun_that_fails_says_the_old_store_is_gone(workdir):
-    # --overwrite on several ranks deletes the old store before the ranks write (a multi-rank
-    # overwrite): a rank whose model then raised said "the store that was at two.zarr is kept
-    # as it was (--overwrite replaces it only once the new capture commits)", and it was gone
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path: bytes), but the writer lock (never moved aside)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"}
+
+
+def _asides(workdir: Path) -> list[Path]:
+    return sorted(workdir.glob(".two.zarr.replaced-*"))
+
+
+def test_overwrite_under_torchrun_that_fails_puts_the_old_store_back_byte_for_byte(workdir):
+    # --overwrite on several ranks deleted the old store before the ranks wrote: a rank whose
+    # model then raised left an incomplete store of the new run, the old one gone for nothing
     assert cli.main(_capture_args("two.zarr", "--max-samples", "7")) == 0
-    assert acs.open_store(workdir / "two.zarr").n_samples == 7
+    before = _files(workdir / "two.zarr")
     run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"), env={"FUSSY_LIMIT": "10"})
     assert run["rc"] != 0
+    said = ["the store that --overwrite was to replace at 'two.zarr' is put back as it was",  # rank 0: rank 1 failed
+            "the store that was at two.zarr is kept as it was"]  # rank 1: its own model's error
     for r in range(WORLD):
         err = run["ranks"][r][1]
-        assert "is kept as it was" not in err, (r, err)
-        assert "the store that was at two.zarr was deleted when this capture started" in err, (r, err)
+        assert "was deleted when this capture started" not in err, (r, err)
+        assert "a sample above 10" in err and said[r] in err, (r, err)
+    assert "rank(s) [1] failed" in run["ranks"][0][1]
+    assert _files(workdir / "two.zarr") == before and _asides(workdir) == []
     store = acs.open_store(workdir / "two.zarr")
-    assert store.status == "incomplete" and store.n_samples < N and store.n_samples != 7
+    assert store.status == "complete" and store.n_samples == 7 and store.verify() == []
+
+
+def test_overwrite_under_torchrun_replaces_the_store_and_leaves_no_folder_aside(workdir):
+    assert cli.main(_capture_args("two.zarr", "--max-samples", "7")) == 0
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"))
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    assert _asides(workdir) == []
+    store = acs.open_store(workdir / "two.zarr")
+    assert store.status == "complete" and store.n_samples == N and store.verify() == []
+
+
+def test_overwrite_under_torchrun_killed_before_the_commit_keeps_the_old_store_and_a_rerun_completes(workdir):
+    assert cli.main(_capture_args("two.zarr", "--max-samples", "7")) == 0
+    before = _files(workdir / "two.zarr")
+    # rank 0 SIGKILLed in its first forward: after the move aside, before the ranks' commit
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"), env={"FUSSY_KILL_RANK": "0"})
+    assert run["rc"] != 0
+    (aside,) = _asides(workdir)  # the old store, whole
+    assert _files(aside) == before
+    assert acs.open_store(aside).verify() == []
+    assert acs.open_store(workdir / "two.zarr").status == "incomplete"
+    # overwrite=True again takes that folder over: deleted once the new store commits
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"))
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    assert _asides(workdir) == []
+    store = acs.open_store(workdir / "two.zarr")
+    assert store.status == "complete" and store.n_samples == N and store.verify() == []
+
+
+def test_overwrite_under_torchrun_killed_then_failing_again_puts_the_old_store_back(workdir):
+    assert cli.main(_capture_args("two.zarr", "--max-samples", "7")) == 0
+    before = _files(workdir / "two.zarr")
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"), env={"FUSSY_KILL_RANK": "0"})
+    assert run["rc"] != 0 and len(_asides(workdir)) == 1
+    run = _torchrun(workdir, _capture_args("two.zarr", "--overwrite"), env={"FUSSY_LIMIT": "10"})
+    assert run["rc"] != 0
+    assert "the store that was at two.zarr is kept as it was" in run["ranks"][1][1], run["ranks"]
+    assert _files(workdir / "two.zarr") == before and _asides(workdir) == []
 
 
 def test_resume_under_torchrun_of_a_one_process_store_is_refused_on_every_rank(workdir):
