@@ -3262,11 +3262,16 @@ class StoreWriter:
             if held[id(a)]:
                 self._install_held_shard(a, [s for s, _r in held[id(a)]])
         batches = self._pending[:k]
-        # 2. row-table parts. A part that fails leaves the tables and the pending batches as they
-        # were (a later commit writes them again): the arrays' rows of those batches, in the
-        # shards, stay next to their row-table rows
+        # 2. row-table parts, then the counts of the committed batches. A part that fails, or a
+        # Ctrl-C anywhere before the last count is set, leaves the tables, the counts and the pending
+        # batches as they were (a later commit writes them again): the arrays' rows of those batches,
+        # in the shards, stay next to their row-table rows, and a root written next never lists
+        # tables of more samples than its n_samples
         before = {kind: ({**t, **{k: type(t[k])(t[k]) for k in ("parts", "crc32c", "columns") if k in t}},
                          self._next_part.get(kind)) for kind, t in self._row_tables.items()}
+        counts = (self._pending, self._pending_samples, [a.committed_rows for a in self._order],
+                  self.n_samples_committed, self._n_batches, self._committed_next_id,
+                  {hp: e.get("n_rows") for hp, e in self._reduced.items()})
         try:
             for kind in self._row_kinds:
                 pieces = _row_pieces(batches, kind)
@@ -3280,7 +3285,19 @@ class StoreWriter:
                     self._write_part(kind, pieces)
                     self._merge_parts(kind)
                     self._rename_part_an_older_writer_reuses(kind)
+            self._pending = self._pending[k:]
+            self._pending_samples -= sum(x.n_samples for x in batches)
+            for x in batches:
+                for a, cum in zip(self._order, x.cums.tolist()):
+                    a.committed_rows = max(a.committed_rows, cum)
+                self.n_samples_committed += x.n_samples
+                self._n_batches += 1
+                self._committed_next_id = x.next_id
+                for hp, rows in x.reduced.items():
+                    self._reduced[hp]["n_rows"] = rows
         except BaseException:
+            for kind in [kind for kind in self._row_tables if kind not in before]:
+                del self._row_tables[kind]
             for kind, (was, next_part) in before.items():
                 t = self._row_tables[kind]
                 t.clear()
@@ -3289,17 +3306,14 @@ class StoreWriter:
                     self._next_part.pop(kind, None)
                 else:
                     self._next_part[kind] = next_part
+            (self._pending, self._pending_samples, rows, self.n_samples_committed, self._n_batches,
+             self._committed_next_id, reduced) = counts
+            for a, n in zip(self._order, rows):
+                a.committed_rows = n
+            for hp, n in reduced.items():
+                if n is not None:
+                    self._reduced[hp]["n_rows"] = n
             raise
-        self._pending = self._pending[k:]
-        self._pending_samples -= sum(x.n_samples for x in batches)
-        for x in batches:
-            for a, cum in zip(self._order, x.cums.tolist()):
-                a.committed_rows = max(a.committed_rows, cum)
-            self.n_samples_committed += x.n_samples
-            self._n_batches += 1
-            self._committed_next_id = x.next_id
-            for hp, rows in x.reduced.items():
-                self._reduced[hp]["n_rows"] = rows
         # 3. manifests and array documents (independent objects: written concurrently)
         writes: list[tuple[str, bytes]] = []
         for a in self._arrays.values():
