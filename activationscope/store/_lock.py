@@ -384,8 +384,11 @@ class WriterLock:
                 os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
-                os.close(fd)
+                # (forgotten first: interrupted between the two, the descriptor leaks, where the
+                # other order left a closed number to truncate, unlock and close again, by then
+                # perhaps another file's)
                 self._fd = None
+                os.close(fd)
             self._held = False
             return
         try:

@@ -732,3 +732,38 @@ def test_ctrl_c_at_any_line_of_a_writer_lock_leaves_no_marker(failing):
         with WriterLock(resolve(url)):
             pass
     assert interrupted > count.n // 2
+
+
+def test_ctrl_c_at_any_line_of_giving_the_lock_back_never_touches_a_file_opened_since(tmp_path):
+    # a Ctrl-C after the lock file's descriptor was closed but before it was forgotten: the give-
+    # back run again (release's handler) truncated, unlocked and closed that number again, by
+    # then another file's (here one opened as the Ctrl-C comes, as the writer thread opens shards)
+    from acs_testing import InterruptAt
+
+    from activationscope.store._backend import LocalBackend
+    from activationscope.store._lock import WriterLock
+
+    class OpenAsInterrupted(InterruptAt):
+        def _line(self, frame, event, arg):
+            try:
+                return super()._line(frame, event, arg)
+            except KeyboardInterrupt:
+                self.opened = open(victim, "r+")  # (the lowest free number: the one just closed, if any)
+                raise
+
+    victim = tmp_path / "victim.txt"
+    path = tmp_path / "s.zarr"
+    lock = WriterLock(LocalBackend(path)).acquire()
+    with InterruptAt(None) as count:
+        lock.release()
+    assert count.n >= 5
+    for k in range(1, count.n + 1):
+        victim.write_text("kept")
+        lock = WriterLock(LocalBackend(path)).acquire()
+        with pytest.raises(KeyboardInterrupt), OpenAsInterrupted(k) as where:
+            lock.release()
+        with where.opened as opened:
+            assert os.fstat(opened.fileno()).st_size == 4, where.where
+            lock.release()  # (run again, as a rerun would: finishes what is left, if anything)
+            assert os.fstat(opened.fileno()).st_size == 4 and opened.read() == "kept", where.where
+        WriterLock(LocalBackend(path)).acquire().release()  # (given back: taken again)
