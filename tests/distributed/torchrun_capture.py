@@ -117,13 +117,13 @@ def main() -> None:
     if rank == 0 and args.slow_prepare_s:
         from activationscope.store import ranks
 
-        prepare_root = ranks.prepare_root
+        prepare = ranks._prepare  # (what the capture's rank 0 calls; prepare_root calls it too)
 
-        def slow_prepare_root(*a, **kw):  # (an overwrite of a large old store on object storage)
+        def slow_prepare(*a, **kw):  # (an overwrite of a large old store on object storage)
             time.sleep(args.slow_prepare_s)
-            return prepare_root(*a, **kw)
+            return prepare(*a, **kw)
 
-        ranks.prepare_root = slow_prepare_root
+        ranks._prepare = slow_prepare
     if rank == 0 and args.stall_before_rank_root:
         from activationscope.store import writer
 
