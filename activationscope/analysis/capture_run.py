@@ -254,7 +254,8 @@ def run_capture(
                 and summary.n_forwards == 0 and not _readable_store(out) else
                 f"{out} is left as it was" if tracker._refused is not None else
                 f"the store that was at {out} was deleted when this capture started (--overwrite on several ranks "
-                "replaces a store on object storage before the ranks write, docs/usage/distributed.md); "
+                f"replaces a store on object storage before the ranks write, "
+                f"{docs_page('docs/usage/distributed.md', 'Overwriting a multi-rank store')}); "
                 + _what_is_kept(out, resumable)
                 if (store_options or {}).get("overwrite") and multi_rank and local is None else
                 _what_is_kept(out, resumable) if multi_rank and (store_options or {}).get("overwrite") else

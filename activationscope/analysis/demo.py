@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ActivationScopeError, ArgumentValueError
+from ..errors import ActivationScopeError, ArgumentValueError, docs_page
 from ..sizes import dir_bytes, format_bytes
 from .capture_run import MAX_LENGTH, check_out, iter_text_batches, run_capture, text_batches, torchrun_ranks
 from .demo_assets import (  # noqa: F401 - the demo's model and data, importable from here as before
@@ -261,7 +261,7 @@ def run_demo(
             f"the demo runs as one process, and it is run here on {ranks[1]} ranks (torchrun, or WORLD_SIZE "
             f"{ranks[1]} in the environment), each of which would write {out!r}: run `activationscope demo` "
             "without torchrun; for a capture on several ranks, run `activationscope capture` under torchrun "
-            "(docs/usage/distributed.md); nothing was written")
+            f"({docs_page('docs/usage/distributed.md', 'The command line')}); nothing was written")
     if batch_size < 1:
         raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
     # a store or nothing: nothing else is replaced (the demo has no --overwrite to offer)
