@@ -19,6 +19,19 @@ def toy_mlp(width: int = 16, depth: int = 3) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
+class MLP(torch.nn.Module):
+    """``fc1`` (8 -> 16), ``act`` (ReLU), ``fc2`` (16 -> 4): modules named as wrapped models name theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU()
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
 class SmallCNN(torch.nn.Module):
     """Conv / BatchNorm / in-place ReLU / pooling / linear head."""
 

@@ -12,18 +12,7 @@ import torch
 
 import activationscope as acs
 
-from acs_testing import plain_hooks
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.act = torch.nn.ReLU()
-        self.fc2 = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+from acs_testing import MLP, plain_hooks
 
 
 def _capture_warnings(caught):

@@ -114,23 +114,29 @@ def test_a_caught_last_forward_that_raised_is_in_no_reduction(tmp_path, kind, er
         _check(store.reductions, hook_point, want)
 
 
-def test_a_forward_raising_out_of_the_block_keeps_the_forwards_before_it_in_a_store_of_reductions_only(tmp_path):
-    """An error leaving the block mid-forward: the close commits every whole forward before it,
-    with reductions over exactly those; the store of reductions only ended at its last commit
-    instead (here none, so the store was removed), losing every forward since. A resume then
-    ends with the reductions of an uninterrupted run."""
+def _interrupted_in_the_third_forward(path, **options):
+    """The model, its four inputs and the store at ``path`` after two whole forwards and a
+    KeyboardInterrupt raised mid-way through the third, out of the ``with`` block."""
     torch.manual_seed(0)
     model = _RaisesAfterTwo().eval()
     xs = [torch.randn(n, 3) for n in (4, 5, 6, 2)]
-    path = tmp_path / "s.zarr"
-    options = {"reduction_policy": STREAMING, "store_options": {"commit_interval": 3600}}
     with pytest.raises(KeyboardInterrupt), torch.no_grad(), _scope(path, **options).track(model):
         model(xs[0])
         model(xs[1])
         model.error = KeyboardInterrupt
         model(xs[2])
     model.error = None
-    store = open_store(path)
+    return model, xs, open_store(path)
+
+
+def test_a_forward_raising_out_of_the_block_keeps_the_forwards_before_it_in_a_store_of_reductions_only(tmp_path):
+    """An error leaving the block mid-forward: the close commits every whole forward before it,
+    with reductions over exactly those; the store of reductions only ended at its last commit
+    instead (here none, so the store was removed), losing every forward since. A resume then
+    ends with the reductions of an uninterrupted run."""
+    path = tmp_path / "s.zarr"
+    model, xs, store = _interrupted_in_the_third_forward(
+        path, reduction_policy=STREAMING, store_options={"commit_interval": 3600})
     assert store.status == "incomplete" and store.n_samples == 9 and store.partial_reductions == {}
     with torch.no_grad():
         _check(store.reductions, "a.output", model.a(torch.cat(xs[:2])))
@@ -149,17 +155,8 @@ def test_a_forward_raising_out_of_the_block_leaves_a_store_of_rows_with_no_reduc
     """A store of rows whose block raised mid-forward commits the whole forwards before it, rows
     only: no reduction is written at the close (docs/usage/capture.md); a resume computes every
     reduction over the stored rows, ending with those of an uninterrupted run."""
-    torch.manual_seed(0)
-    model = _RaisesAfterTwo().eval()
-    xs = [torch.randn(n, 3) for n in (4, 5, 6, 2)]
     path = tmp_path / "s.zarr"
-    with pytest.raises(KeyboardInterrupt), torch.no_grad(), _scope(path).track(model):
-        model(xs[0])
-        model(xs[1])
-        model.error = KeyboardInterrupt
-        model(xs[2])
-    model.error = None
-    store = open_store(path)
+    model, xs, store = _interrupted_in_the_third_forward(path)
     assert store.status == "incomplete" and store.n_samples == 9
     assert dict(store.reductions) == {} and store.partial_reductions == {}
     with torch.no_grad():
