@@ -740,7 +740,9 @@ def _capture_loaded(
                 if first < n:  # (the texts left are tokenized by this run)
                     _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first, store)
             if resume and store is not None and 0 < first <= len(dataset) and dataset.tensor is not None:
-                if not committed:  # (a committed store's provenance is a rank's: fingerprints of its part only)
+                if committed:  # (each rank's part, by the fingerprint that rank recorded)
+                    _check_committed_tensor(out, dataset.tensor, data, first, store)
+                else:
                     _check_resumed_tensor(out, dataset.tensor, data, first, store)
                 _check_resumed_labels(out, dataset.labels, data, first, store)
             if committed:
@@ -1178,9 +1180,47 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int, store: A
     if not isinstance(provenance, dict):
         return
     runs = [provenance, *(r for r in resume_history(provenance) if isinstance(r, dict))]
+    _check_fingerprints(out, tensor, data, first, runs)
+
+
+def _check_committed_tensor(out: str, tensor: Any, data: str, first: int, store: Any) -> None:
+    """Tensor data of a torchrun resume of a committed store (``store``, opened; ``first`` its
+    samples) must hold, in each rank's part, the samples that rank captured: the store's
+    provenance keeps every rank's runs (rank 0's, the others' in ``resumes``: the commit
+    keeps each one that differs), each with the part of the data it captured (``rank_part``:
+    ``start``, ``stop``) and the sha256 of its samples (``data_fingerprint``). Each part is
+    checked as a resumed store is (:func:`_check_resumed_tensor`): samples
+    ``[start, stop)`` of ``tensor`` that hash otherwise, or fewer than were read, are
+    refused with ArgumentValueError, nothing changed. Runs recording no part or no
+    fingerprint (a store committed by an earlier version, rank stores captured from Python)
+    are not checked."""
+    from ..store.writer import resume_history
+
+    provenance = store.attrs.get("provenance")
+    if not isinstance(provenance, dict):
+        return
+    parts: dict[tuple[int, int], list[dict]] = {}
+    for run in [provenance, *resume_history(provenance)]:
+        part = run.get("rank_part") if isinstance(run, dict) else None
+        bounds = (part.get("start"), part.get("stop")) if isinstance(part, dict) else (None, None)
+        if all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) and 0 <= bounds[0] <= bounds[1]:
+            parts.setdefault(bounds, []).append(run)
+    for (start, stop), runs in sorted(parts.items()):
+        _check_fingerprints(out, tensor[start:stop], data, stop - start, runs, (start, stop, first))
+
+
+def _check_fingerprints(out: str, tensor: Any, data: str, first: int, runs: list[dict],
+                        part: tuple[int, int, int] | None = None) -> None:
+    """:func:`_check_resumed_tensor` of the runs ``runs`` (provenance records; those without
+    a valid ``data_fingerprint`` are left out) that captured the ``first`` samples of
+    ``tensor``: where ``part`` is ``(start, stop, n)``, ``tensor`` is samples
+    ``[start, stop)`` of the data given, a rank's part of a committed store of ``n``
+    samples (:func:`_check_committed_tensor`)."""
     prints = [r.get("data_fingerprint") for r in runs]
     prints = [p for p in prints if isinstance(p, dict) and isinstance(p.get("samples"), int)
               and not isinstance(p.get("samples"), bool) and p["samples"] > 0 and isinstance(p.get("sha256"), str)]
+    if part is not None:  # (a rank's run read its part only: a longer record is no record of it)
+        prints = [p for p in prints if p["samples"] <= part[1] - part[0]]
     if not prints:
         return
     covering = [p for p in prints if p["samples"] >= first]
@@ -1188,17 +1228,27 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int, store: A
     n = recorded["samples"]
     fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
            "this data into a new store (nothing was changed)")
+    shape = f"dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each"
+    held = first
+    if part is None:
+        cut = (f"it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
+               f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
+               "told from those stored")
+        other = (f"its first {n} samples ({shape}) differ from those the store recorded (sha256 in its provenance, "
+                 "data_fingerprint)")
+    else:
+        start, stop, held = part
+        record = f"data_fingerprint of the run whose rank_part is [{start}, {stop}), in the store's provenance"
+        cut = (f"it has {len(tensor)} samples from sample {start} on, and the rank that captured samples "
+               f"{start}..{stop - 1} read {n} ({record}), so the file was cut or rewritten since and the samples "
+               "stored cannot be told from those given")
+        other = (f"its samples {start}..{start + n - 1} (a rank's part of the data; {shape}) differ from those that "
+                 f"rank recorded (sha256 in its provenance, {record})")
+    said = f"--resume: store {out!r} holds {held} samples, but --data {data!r} is not the data they were captured from"
     if n > len(tensor):
-        raise ArgumentValueError(
-            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
-            f"from: it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
-            f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
-            f"told from those stored; {fix}")
+        raise ArgumentValueError(f"{said}: {cut}; {fix}")
     if tensor_fingerprint(tensor, n)["sha256"] != recorded["sha256"]:
-        raise ArgumentValueError(
-            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
-            f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
-            f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
+        raise ArgumentValueError(f"{said}: {other}; {fix}")
 
 
 def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int, store: Any) -> None:

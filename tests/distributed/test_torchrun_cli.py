@@ -377,3 +377,20 @@ def test_resume_under_torchrun_after_the_commit_was_killed_commits_the_store_of_
             assert torch.equal(two.reductions[hp][name], lib.reductions[hp][name]), (hp, name)
     assert two.verify() == []
 
+
+def test_resume_under_torchrun_of_a_committed_store_refuses_other_tensor_data(workdir):
+    run = _torchrun(workdir, _capture_args("two.zarr"))
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    before = _files(workdir / "two.zarr")
+    x = np.load(workdir / "inputs.npy")
+    x[40, 1] += 1  # (rank 1's part, samples 26..52: the same length, another value)
+    np.save(workdir / "inputs.npy", x)
+    run = _torchrun(workdir, _capture_args("two.zarr", "--resume"))
+    assert run["rc"] != 0
+    said = ("--resume: store 'two.zarr' holds 53 samples, but --data 'inputs.npy' is not the data they were captured "
+            "from: its samples 26..52 (a rank's part of the data; dtype torch.float32, shape (6,) each) differ from those "
+            "that rank recorded")
+    for r in range(WORLD):
+        assert said in run["ranks"][r][1], (r, run["ranks"][r])
+    assert _files(workdir / "two.zarr") == before
+
