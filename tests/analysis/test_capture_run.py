@@ -595,3 +595,15 @@ def test_a_committed_store_checks_each_ranks_part_by_the_fingerprint_that_rank_r
                                    "resumes": [{k: v for k, v in rank1.items() if k != "rank_part"}]}})
     capture_run._check_committed_tensor("s.zarr", x + 1, "x.npy", 10, older)
 
+
+def test_a_rank_without_a_rank_store_takes_the_settings_the_others_record():
+    agreed = capture_run._agreed_settings
+    assert agreed("s.zarr", None, [{"max_length": 6, "include": None}, None]) == {"max_length": 6, "include": None}
+    assert agreed("s.zarr", None, [{}, None, {"max_length": 6}]) == {"max_length": 6}
+    assert agreed("s.zarr", {"include": ["a"]}, [{"include": ["a"]}, {"max_length": 6, "include": ["a"]}]) == \
+        {"include": ["a"]}  # (a rank with a store keeps its own)
+    assert agreed("s.zarr", None, [None, None]) is None  # (no store at all: every rank starts anew)
+    with pytest.raises(ArgumentValueError, match=r"record other --max-length: rank 0 6, rank 2 8; .*--overwrite"):
+        agreed("s.zarr", None, [{"max_length": 6}, None, {"max_length": 8}])
+    with pytest.raises(ArgumentValueError, match=r"record other --include patterns: rank 0 None, rank 1 \['a'\]"):
+        agreed("s.zarr", {"include": None}, [{"include": None}, {"include": ["a"]}])

@@ -394,3 +394,28 @@ def test_resume_under_torchrun_of_a_committed_store_refuses_other_tensor_data(wo
         assert said in run["ranks"][r][1], (r, run["ranks"][r])
     assert _files(workdir / "two.zarr") == before
 
+
+def test_a_rank_without_a_rank_store_at_resume_cuts_texts_at_the_recorded_max_length(workdir):
+    lines = ["the quick brown fox jumps over it", "over the lazy dog and far away",
+             "seven tired cats sleep under warm red blankets", "a b", "the end of the text is here today",
+             "short but not that short at all"]
+    (workdir / "texts.txt").write_text("\n".join(lines) + "\n")
+    args = ["capture", "--model", "demo", "--data", "texts.txt", "--include", "encoder.layer.5", "--batch-size", "2",
+            "--no-progress"]
+    # every rank's part captured with --max-length 6, the commit killed, rank 1's rank store gone
+    run = _torchrun(workdir, [*args, "--out", "two.zarr", "--max-length", "6"], module="commitkill",
+                    env={"KILL_STEP": "tail"})
+    assert run["rc"] != 0
+    shutil.rmtree(workdir / "two.zarr" / "ranks" / "00001")
+    # --resume without --max-length: rank 1 takes the 6 rank 0's store records, not the default
+    run = _torchrun(workdir, [*args, "--out", "two.zarr", "--resume"])
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    assert cli.main([*args, "--out", "one.zarr", "--max-length", "6"]) == 0
+    two, one = acs.open_store(workdir / "two.zarr"), acs.open_store(workdir / "one.zarr")
+    assert two.status == "complete" and two.n_samples == len(lines)
+    tokens = two.row_table("token")
+    per_sample = np.bincount(tokens.column("sample_id").to_numpy())
+    assert per_sample.max() == 6 and (per_sample[[0, 1, 2, 4, 5]] == 6).all()
+    for column in ("sample_id", "pos", "token_ids"):
+        assert tokens.column(column).to_pylist() == one.row_table("token").column(column).to_pylist(), column
+    assert two.row_table("token").column("rank").to_pylist()[-1] == 1
