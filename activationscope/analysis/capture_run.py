@@ -703,15 +703,33 @@ def _capture_loaded(
     error: BaseException | None = None
     first = n = 0
     include_note = ""
+    recorded: dict[str, Any] | None = None  # what it records of the settings every rank shares
     try:
         try:
             if dataset.texts is not None:
                 _ensure_pad_token(loaded.tokenizer, model)
                 _pad_on_the_right(loaded.tokenizer)
-                if resume:
-                    store = open_resumed()
-                    if store is not None:
-                        max_length = _resumed_max_length(out, max_length, store)
+            if resume:
+                store = open_resumed()
+                recorded = _recorded_settings(store)
+        except Exception as e:  # noqa: BLE001 - every rank learns it (_exchange), then it is raised
+            if ranks is None:
+                raise
+            error = e
+        if ranks is not None and resume:  # (every rank, whatever its checks gave: a collective)
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, recorded)
+        try:
+            if error is not None:
+                raise error  # (sent to every rank by _exchange below)
+            if ranks is not None and resume:  # a rank without a rank store takes what the others' record
+                recorded = _agreed_settings(out, recorded, every)
+            if dataset.texts is not None:
+                if recorded is not None:
+                    max_length = _resumed_max_length(out, max_length, recorded.get("max_length"),
+                                                     store.n_samples if store is not None else 0)
                 max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
                 count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
                 n_special = int(count(pair=False)) if callable(count) else 0
@@ -720,11 +738,10 @@ def _capture_loaded(
                         f"--max-length {max_length} leaves no token of text: the tokenizer of --model {model!r} adds "
                         f"{n_special} special tokens to every sample (and would not truncate at all); pass "
                         f"--max-length {n_special + 1} or more")
-            elif resume:
-                store = open_resumed()
             n = len(dataset) if ranks is not None and not committed else n_all
             first = resume_offset(store) if store is not None else 0
-            include, include_note = _include_for(include, loaded, out, resume and store is not None, store)
+            include, include_note = _include_for(include, loaded, out, resume and recorded is not None,
+                                                 recorded.get("include", _UNRECORDED) if recorded else _UNRECORDED)
             if resume and store is not None and (first >= n or committed):
                 # (the store writer, which checks the model, is not opened when nothing is left)
                 _check_no_writer(out)
@@ -740,18 +757,20 @@ def _capture_loaded(
                 if first < n:  # (the texts left are tokenized by this run)
                     _check_resumed_token_ids(out, dataset, data, model, loaded.tokenizer, first, store)
             if resume and store is not None and 0 < first <= len(dataset) and dataset.tensor is not None:
-                if not committed:  # (a committed store's provenance is a rank's: fingerprints of its part only)
+                if committed:  # (each rank's part, by the fingerprint that rank recorded)
+                    _check_committed_tensor(out, dataset.tensor, data, first, store)
+                else:
                     _check_resumed_tensor(out, dataset.tensor, data, first, store)
                 _check_resumed_labels(out, dataset.labels, data, first, store)
             if committed:
                 _check_committed_resume(out, store, first, n, reductions, world)
-        finally:
-            if store is not None:
-                store.close()
-    except Exception as e:  # noqa: BLE001 - every rank learns it (_exchange), then it is raised
-        if ranks is None:
-            raise
-        error = e
+        except Exception as e:  # noqa: BLE001 - every rank learns it (_exchange), then it is raised
+            if ranks is None:
+                raise
+            error = e
+    finally:
+        if store is not None:
+            store.close()
     if ranks is not None:  # no rank writes before every rank's checks passed
         facts = _exchange(error, (first, n), world)
         if committed:
@@ -851,11 +870,11 @@ def _pad_on_the_right(tokenizer: Any) -> None:
         tokenizer.padding_side = "right"
 
 
-def _resumed_max_length(out: str, max_length: int | None, store: Any) -> int | None:
-    """The ``max_length`` of a resumed text capture: the one the store records
-    (``provenance["max_length"]``) when none is given, so the resumed samples are cut as the
+def _resumed_max_length(out: str, max_length: int | None, stored: int | None, n_samples: int) -> int | None:
+    """The ``max_length`` of a resumed text capture: the one the store records (``stored``,
+    :func:`_recorded_max_length`) when none is given, so the resumed samples are cut as the
     stored ones were; ``max_length`` as given for a store that records none (or none yet).
-    ``store``: the store at ``out``, opened (:func:`_open_resumed`).
+    ``n_samples``: the samples the store at ``out`` holds (named in a warning).
 
     Raises
     ------
@@ -863,11 +882,6 @@ def _resumed_max_length(out: str, max_length: int | None, store: Any) -> int | N
         ``max_length`` other than the store's: its samples would be cut at another length
         than the stored ones, in one store. Nothing is changed.
     """
-    provenance = store.attrs.get("provenance")
-    n_samples = store.n_samples
-    stored = provenance.get("max_length") if isinstance(provenance, dict) else None
-    if isinstance(stored, bool) or not isinstance(stored, int):
-        stored = _max_length_of_command(provenance.get("command") if isinstance(provenance, dict) else None)
     if stored is None:
         if max_length is not None and n_samples:
             warn_at_caller(CaptureWarning(
@@ -884,6 +898,66 @@ def _resumed_max_length(out: str, max_length: int | None, store: Any) -> int | N
             "(or without --max-length), or pass --overwrite instead of --resume to capture every text again "
             "(nothing was changed)")
     return stored
+
+
+def _recorded_max_length(store: Any) -> int | None:
+    """The ``--max-length`` an opened ``store`` records (``provenance["max_length"]``, or the
+    one its recorded command line gives); None where it records none."""
+    provenance = store.attrs.get("provenance")
+    stored = provenance.get("max_length") if isinstance(provenance, dict) else None
+    if isinstance(stored, bool) or not isinstance(stored, int):
+        stored = _max_length_of_command(provenance.get("command") if isinstance(provenance, dict) else None)
+    return stored
+
+
+def _recorded_settings(store: Any) -> dict[str, Any] | None:
+    """What an opened ``store`` that a resume continues records of the settings its resumed
+    samples must be captured with: ``max_length`` (:func:`_recorded_max_length`) and
+    ``include`` (:func:`_recorded_include`), each left out where the store records none;
+    plain values, sent to the other ranks under torchrun. None for no store."""
+    if store is None:
+        return None
+    settings: dict[str, Any] = {}
+    max_length = _recorded_max_length(store)
+    if max_length is not None:
+        settings["max_length"] = max_length
+    include = _recorded_include(store)
+    if include is not _UNRECORDED:
+        settings["include"] = include
+    return settings
+
+
+def _agreed_settings(out: str, mine: dict[str, Any] | None, every: list[Any]) -> dict[str, Any] | None:
+    """The settings (:func:`_recorded_settings`) a rank of a torchrun resume captures with:
+    its own store's (``mine``), or, for a rank without a rank store (one killed before it
+    opened it, or whose rank store was removed), those the other ranks' stores record
+    (``every``: each rank's, in rank order), so that no rank cuts its texts at another
+    ``--max-length`` or tracks other hook points than the rows already stored; None where no
+    rank has a store (every rank starts from its first sample).
+
+    Raises
+    ------
+    ArgumentValueError
+        Two ranks' stores record other values of one setting: the committed store would mix
+        rows of both. Nothing is changed.
+    """
+    held = [(r, s) for r, s in enumerate(every) if isinstance(s, dict)]
+    for key, flag in (("max_length", "--max-length"), ("include", "--include patterns")):
+        known = [(r, s[key]) for r, s in held if key in s]
+        if any(v != known[0][1] for _, v in known):
+            raise ArgumentValueError(
+                f"--resume: the rank stores of store {out!r} record other {flag}: "
+                + ", ".join(f"rank {r} {v!r}" for r, v in known)
+                + "; their rows cannot be committed into one store, and a rank resumed without its rank store could "
+                "not tell which to take: pass --overwrite instead of --resume to capture every rank again (nothing "
+                "was changed)")
+    if mine is not None or not held:
+        return mine
+    agreed: dict[str, Any] = {}
+    for _, s in held:
+        for key, value in s.items():
+            agreed.setdefault(key, value)
+    return agreed
 
 
 def _max_length_of_command(command: Any) -> int | None:
@@ -941,14 +1015,16 @@ def _check_max_length(max_length: int | None, module: Any, model: str, tokenizer
 
 
 def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: bool,
-                 store: Any = None) -> tuple[list[str] | None, str]:
+                 recorded: Any) -> tuple[list[str] | None, str]:
     """The ``include`` patterns of a capture and, when none were given, what was chosen in
     a few words (:attr:`CaptureSummary.include_note`): the model spec's default
     (:attr:`.specs.LoadedModel.default_include`), except for the resume of a store that
     records ``include=None`` (every module: a Hugging Face model folder captured without
     ``--include`` by a version whose default was every module), which tracks every module
     as the store was captured, since no ``--include`` pattern selects exactly that.
-    ``store``: the store at ``out`` a resume continues, opened (:func:`_open_resumed`).
+    ``recorded``: the include patterns the store at ``out`` that a resume continues records
+    (:func:`_recorded_include`; under torchrun, for a rank without a rank store, those the
+    other ranks' stores record: :func:`_agreed_settings`).
 
     Raises
     ------
@@ -958,7 +1034,7 @@ def _include_for(include: Sequence[str] | None, loaded: Any, out: str, resume: b
     """
     if include:
         return list(include), ""
-    if resume and (loaded.default_include is not None or loaded.needs_include) and _recorded_include(store) is None:
+    if resume and (loaded.default_include is not None or loaded.needs_include) and recorded is None:
         return None, "every module, as the store was captured"
     if loaded.needs_include:
         raise SpecError(loaded.needs_include)
@@ -1178,9 +1254,47 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int, store: A
     if not isinstance(provenance, dict):
         return
     runs = [provenance, *(r for r in resume_history(provenance) if isinstance(r, dict))]
+    _check_fingerprints(out, tensor, data, first, runs)
+
+
+def _check_committed_tensor(out: str, tensor: Any, data: str, first: int, store: Any) -> None:
+    """Tensor data of a torchrun resume of a committed store (``store``, opened; ``first`` its
+    samples) must hold, in each rank's part, the samples that rank captured: the store's
+    provenance keeps every rank's runs (rank 0's, the others' in ``resumes``: the commit
+    keeps each one that differs), each with the part of the data it captured (``rank_part``:
+    ``start``, ``stop``) and the sha256 of its samples (``data_fingerprint``). Each part is
+    checked as a resumed store is (:func:`_check_resumed_tensor`): samples
+    ``[start, stop)`` of ``tensor`` that hash otherwise, or fewer than were read, are
+    refused with ArgumentValueError, nothing changed. Runs recording no part or no
+    fingerprint (a store committed by an earlier version, rank stores captured from Python)
+    are not checked."""
+    from ..store.writer import resume_history
+
+    provenance = store.attrs.get("provenance")
+    if not isinstance(provenance, dict):
+        return
+    parts: dict[tuple[int, int], list[dict]] = {}
+    for run in [provenance, *resume_history(provenance)]:
+        part = run.get("rank_part") if isinstance(run, dict) else None
+        bounds = (part.get("start"), part.get("stop")) if isinstance(part, dict) else (None, None)
+        if all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) and 0 <= bounds[0] <= bounds[1]:
+            parts.setdefault(bounds, []).append(run)
+    for (start, stop), runs in sorted(parts.items()):
+        _check_fingerprints(out, tensor[start:stop], data, stop - start, runs, (start, stop, first))
+
+
+def _check_fingerprints(out: str, tensor: Any, data: str, first: int, runs: list[dict],
+                        part: tuple[int, int, int] | None = None) -> None:
+    """:func:`_check_resumed_tensor` of the runs ``runs`` (provenance records; those without
+    a valid ``data_fingerprint`` are left out) that captured the ``first`` samples of
+    ``tensor``: where ``part`` is ``(start, stop, n)``, ``tensor`` is samples
+    ``[start, stop)`` of the data given, a rank's part of a committed store of ``n``
+    samples (:func:`_check_committed_tensor`)."""
     prints = [r.get("data_fingerprint") for r in runs]
     prints = [p for p in prints if isinstance(p, dict) and isinstance(p.get("samples"), int)
               and not isinstance(p.get("samples"), bool) and p["samples"] > 0 and isinstance(p.get("sha256"), str)]
+    if part is not None:  # (a rank's run read its part only: a longer record is no record of it)
+        prints = [p for p in prints if p["samples"] <= part[1] - part[0]]
     if not prints:
         return
     covering = [p for p in prints if p["samples"] >= first]
@@ -1188,17 +1302,27 @@ def _check_resumed_tensor(out: str, tensor: Any, data: str, first: int, store: A
     n = recorded["samples"]
     fix = ("resume with the data the store was captured from, or pass --overwrite instead of --resume to capture "
            "this data into a new store (nothing was changed)")
+    shape = f"dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each"
+    held = first
+    if part is None:
+        cut = (f"it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
+               f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
+               "told from those stored")
+        other = (f"its first {n} samples ({shape}) differ from those the store recorded (sha256 in its provenance, "
+                 "data_fingerprint)")
+    else:
+        start, stop, held = part
+        record = f"data_fingerprint of the run whose rank_part is [{start}, {stop}), in the store's provenance"
+        cut = (f"it has {len(tensor)} samples from sample {start} on, and the rank that captured samples "
+               f"{start}..{stop - 1} read {n} ({record}), so the file was cut or rewritten since and the samples "
+               "stored cannot be told from those given")
+        other = (f"its samples {start}..{start + n - 1} (a rank's part of the data; {shape}) differ from those that "
+                 f"rank recorded (sha256 in its provenance, {record})")
+    said = f"--resume: store {out!r} holds {held} samples, but --data {data!r} is not the data they were captured from"
     if n > len(tensor):
-        raise ArgumentValueError(
-            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
-            f"from: it has {len(tensor)} samples, and the run that captured them read {n} (data_fingerprint in the "
-            f"store's provenance), so the file was cut or rewritten since and its first {first} samples cannot be "
-            f"told from those stored; {fix}")
+        raise ArgumentValueError(f"{said}: {cut}; {fix}")
     if tensor_fingerprint(tensor, n)["sha256"] != recorded["sha256"]:
-        raise ArgumentValueError(
-            f"--resume: store {out!r} holds {first} samples, but --data {data!r} is not the data they were captured "
-            f"from: its first {n} samples (dtype {tensor.dtype}, shape {tuple(tensor.shape[1:])} each) differ from "
-            f"those the store recorded (sha256 in its provenance, data_fingerprint); {fix}")
+        raise ArgumentValueError(f"{said}: {other}; {fix}")
 
 
 def _check_resumed_labels(out: str, labels: Sequence[Any] | None, data: str, first: int, store: Any) -> None:

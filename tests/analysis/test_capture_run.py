@@ -565,3 +565,45 @@ def test_token_id_data_captured_one_row_per_token_stores_the_id_of_every_token_r
     capture_run.capture_dataset("m:mlp", str(tmp_path / "emb.pt"), str(tmp_path / "e.zarr"), rows="token",
                                 progress=False)
     assert acs.open_store(str(tmp_path / "e.zarr")).row_table("token").column_names == ["sample_id", "pos", "batch"]
+
+
+class _Attrs:
+    """A store as the resume checks read it: its root attributes only."""
+
+    def __init__(self, attrs):
+        self.attrs = attrs
+
+
+def test_a_committed_store_checks_each_ranks_part_by_the_fingerprint_that_rank_recorded():
+    x = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    part = {"n_samples": 10, "world_size": 2}
+    rank0 = {"data": "x.npy", "data_fingerprint": capture_run.tensor_fingerprint(x[:5], 5),
+             "rank_part": {"start": 0, "stop": 5, **part}}
+    rank1 = {"data": "x.npy", "data_fingerprint": capture_run.tensor_fingerprint(x[5:], 5),
+             "rank_part": {"start": 5, "stop": 10, **part}}
+    store = _Attrs({"provenance": {**rank0, "resumes": [rank1]}})
+    capture_run._check_committed_tensor("s.zarr", x, "x.npy", 10, store)  # the data captured: no error
+    for sample, said in [(2, "its samples 0..4 "), (7, "its samples 5..9 ")]:
+        other = x.clone()
+        other[sample, 1] += 1
+        with pytest.raises(ArgumentValueError, match=f"is not the data they were captured from: {said}"):
+            capture_run._check_committed_tensor("s.zarr", other, "x.npy", 10, store)
+    with pytest.raises(ArgumentValueError, match="it has 4 samples from sample 5 on"):
+        capture_run._check_committed_tensor("s.zarr", x[:9], "x.npy", 10, store)
+    # a store committed by an earlier version records no rank's part: its data is not checked
+    older = _Attrs({"provenance": {**{k: v for k, v in rank0.items() if k != "rank_part"},
+                                   "resumes": [{k: v for k, v in rank1.items() if k != "rank_part"}]}})
+    capture_run._check_committed_tensor("s.zarr", x + 1, "x.npy", 10, older)
+
+
+def test_a_rank_without_a_rank_store_takes_the_settings_the_others_record():
+    agreed = capture_run._agreed_settings
+    assert agreed("s.zarr", None, [{"max_length": 6, "include": None}, None]) == {"max_length": 6, "include": None}
+    assert agreed("s.zarr", None, [{}, None, {"max_length": 6}]) == {"max_length": 6}
+    assert agreed("s.zarr", {"include": ["a"]}, [{"include": ["a"]}, {"max_length": 6, "include": ["a"]}]) == \
+        {"include": ["a"]}  # (a rank with a store keeps its own)
+    assert agreed("s.zarr", None, [None, None]) is None  # (no store at all: every rank starts anew)
+    with pytest.raises(ArgumentValueError, match=r"record other --max-length: rank 0 6, rank 2 8; .*--overwrite"):
+        agreed("s.zarr", None, [{"max_length": 6}, None, {"max_length": 8}])
+    with pytest.raises(ArgumentValueError, match=r"record other --include patterns: rank 0 None, rank 1 \['a'\]"):
+        agreed("s.zarr", {"include": None}, [{"include": None}, {"include": ["a"]}])

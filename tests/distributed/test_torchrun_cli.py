@@ -57,6 +57,30 @@ FACTORY = textwrap.dedent('''
         return Fussy()
 ''')
 
+# ``python -m commitkill ARGS``: ``activationscope ARGS`` whose rank 0 is SIGKILLed in the commit of
+# the rank stores, at the step KILL_STEP names: ``tail`` (writing its first re-chunked tail shard:
+# every rank store complete, nothing of the commit done) or ``root`` (writing the root zarr.json,
+# the commit point: everything else of the commit written)
+COMMIT_KILL = textwrap.dedent('''
+    import os
+    import sys
+
+    from activationscope.__main__ import main
+    from activationscope.store import ranks
+
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), 9)  # (SIGKILL: no cleanup of any kind)
+
+
+    if os.environ.get("RANK") == "0":
+        if os.environ["KILL_STEP"] == "tail":
+            ranks._TailWriter.write = killed
+        else:
+            ranks._put_root = killed
+    sys.exit(main())
+''')
+
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
@@ -67,9 +91,11 @@ def workdir(tmp_path, monkeypatch):
     x[:, 0] = np.clip(x[:, 0], -5, 5)
     x[POISON, 0] = 50
     np.save(tmp_path / "inputs.npy", x)
+    (tmp_path / "commitkill.py").write_text(COMMIT_KILL)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FUSSY_LIMIT", "FUSSY_KILL_RANK"):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FUSSY_LIMIT", "FUSSY_KILL_RANK",
+              "KILL_STEP"):
         monkeypatch.delenv(k, raising=False)
     sys.modules.pop("toycli", None)
     return tmp_path
@@ -80,11 +106,12 @@ def _capture_args(out: str, *extra: str) -> list[str]:
             "--batch-size", str(BATCH), "--no-progress", *extra]
 
 
-def _torchrun(workdir: Path, args: list[str], *, script: bool = False, env: dict | None = None) -> dict:
-    """Run ``activationscope ARGS`` under torchrun (``-m activationscope``, or the console
-    script with ``--no-python``); the return code and each rank's stdout and stderr."""
+def _torchrun(workdir: Path, args: list[str], *, script: bool = False, env: dict | None = None,
+              module: str = "activationscope") -> dict:
+    """Run ``activationscope ARGS`` under torchrun (``-m MODULE``, or the console script with
+    ``--no-python``); the return code and each rank's stdout and stderr."""
     launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    program = ["--no-python", str(CONSOLE_SCRIPT)] if script else ["-m", "activationscope"]
+    program = ["--no-python", str(CONSOLE_SCRIPT)] if script else ["-m", module]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(workdir)]), "OMP_NUM_THREADS": "1",
            **(env or {})}
     logs = Path(tempfile.mkdtemp(prefix="acs-torchrun-cli-"))
@@ -328,3 +355,67 @@ def test_text_under_torchrun_keeps_the_line_numbers_and_the_token_rows_of_one_pr
     hp = "encoder.layer.5.output"
     torch.testing.assert_close(two[hp], one[hp], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(two.reductions[hp]["mean"], one.reductions[hp]["mean"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", ["tail", "root"])
+def test_resume_under_torchrun_after_the_commit_was_killed_commits_the_store_of_an_uninterrupted_run(workdir, step):
+    # every rank's part written, rank 0 killed in the commit: the store reads every row, uncommitted
+    run = _torchrun(workdir, _capture_args("two.zarr"), module="commitkill", env={"KILL_STEP": step})
+    assert run["rc"] != 0
+    killed = acs.open_store(workdir / "two.zarr")
+    assert killed.status == "incomplete" and killed.n_samples == N
+    killed.close()
+    run = _torchrun(workdir, _capture_args("two.zarr", "--resume"))
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    assert run["ranks"][1] == ("", "")
+    assert not (workdir / "two.zarr" / "ranks").exists()
+    _library_ranks(workdir / "lib.zarr", torch.from_numpy(np.load(workdir / "inputs.npy")))
+    two, lib = acs.open_store(workdir / "two.zarr"), acs.open_store(workdir / "lib.zarr")
+    _assert_same_store(two, lib)
+    for hp in two.hook_points:  # (the reductions too: merged from the same float64 states)
+        for name in ("mean", "var"):
+            assert torch.equal(two.reductions[hp][name], lib.reductions[hp][name]), (hp, name)
+    assert two.verify() == []
+
+
+def test_resume_under_torchrun_of_a_committed_store_refuses_other_tensor_data(workdir):
+    run = _torchrun(workdir, _capture_args("two.zarr"))
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    before = _files(workdir / "two.zarr")
+    x = np.load(workdir / "inputs.npy")
+    x[40, 1] += 1  # (rank 1's part, samples 26..52: the same length, another value)
+    np.save(workdir / "inputs.npy", x)
+    run = _torchrun(workdir, _capture_args("two.zarr", "--resume"))
+    assert run["rc"] != 0
+    said = ("--resume: store 'two.zarr' holds 53 samples, but --data 'inputs.npy' is not the data they were captured "
+            "from: its samples 26..52 (a rank's part of the data; dtype torch.float32, shape (6,) each) differ from those "
+            "that rank recorded")
+    for r in range(WORLD):
+        assert said in run["ranks"][r][1], (r, run["ranks"][r])
+    assert _files(workdir / "two.zarr") == before
+
+
+def test_a_rank_without_a_rank_store_at_resume_cuts_texts_at_the_recorded_max_length(workdir):
+    lines = ["the quick brown fox jumps over it", "over the lazy dog and far away",
+             "seven tired cats sleep under warm red blankets", "a b", "the end of the text is here today",
+             "short but not that short at all"]
+    (workdir / "texts.txt").write_text("\n".join(lines) + "\n")
+    args = ["capture", "--model", "demo", "--data", "texts.txt", "--include", "encoder.layer.5", "--batch-size", "2",
+            "--no-progress"]
+    # every rank's part captured with --max-length 6, the commit killed, rank 1's rank store gone
+    run = _torchrun(workdir, [*args, "--out", "two.zarr", "--max-length", "6"], module="commitkill",
+                    env={"KILL_STEP": "tail"})
+    assert run["rc"] != 0
+    shutil.rmtree(workdir / "two.zarr" / "ranks" / "00001")
+    # --resume without --max-length: rank 1 takes the 6 rank 0's store records, not the default
+    run = _torchrun(workdir, [*args, "--out", "two.zarr", "--resume"])
+    assert run["rc"] == 0, run["torchrun"][-3000:] + str(run["ranks"])
+    assert cli.main([*args, "--out", "one.zarr", "--max-length", "6"]) == 0
+    two, one = acs.open_store(workdir / "two.zarr"), acs.open_store(workdir / "one.zarr")
+    assert two.status == "complete" and two.n_samples == len(lines)
+    tokens = two.row_table("token")
+    per_sample = np.bincount(tokens.column("sample_id").to_numpy())
+    assert per_sample.max() == 6 and (per_sample[[0, 1, 2, 4, 5]] == 6).all()
+    for column in ("sample_id", "pos", "token_ids"):
+        assert tokens.column(column).to_pylist() == one.row_table("token").column(column).to_pylist(), column
+    assert two.row_table("token").column("rank").to_pylist()[-1] == 1
