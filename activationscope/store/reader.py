@@ -3409,7 +3409,9 @@ class Store:
         section 7): named when it is the one such folder, holds no root document and nothing but
         a store's entries, and this store's root lists a committed forward (or says
         ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
-        ``overwrite=True`` deletes it.
+        ``overwrite=True`` deletes it. While a writer holds the store's lock (a live process: the
+        writer of that overwrite deletes the folder in the background until its close), the line
+        says that writer is deleting it, not that a writer was killed.
 
         Returns
         -------
@@ -3422,7 +3424,18 @@ class Store:
         if isinstance(self._backend, LocalBackend) and F.settled_replaced(self._attrs) and all(
                 self._backend.size(k) is not None for k in F.listed_keys(self._attrs)):
             remains = self._backend.replaced_remains()
+            holder = None
             if remains is not None:
+                from ._lock import writer_holding  # (a local lock is held only by a live writer)
+
+                holder = writer_holding(self._backend)
+            if remains is not None and holder is not None:
+                out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here (its "
+                           "root document is gone: nothing reads it); a writer of this store is running "
+                           f"({holder}) and deletes it before its close returns: nothing to do (a writer that warned "
+                           "about this folder as it opened keeps it: the next resume=True or overwrite=True deletes "
+                           "it)")
+            elif remains is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "
                            "delete cut short (its writer was killed after this store's commit; its root document is "
                            "gone: nothing reads it); harmless, the next resume=True or overwrite=True of this store "
