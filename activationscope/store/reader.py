@@ -3411,7 +3411,8 @@ class Store:
         ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
         ``overwrite=True`` deletes it. While a writer holds the store's lock (a live process: the
         writer of that overwrite deletes the folder in the background until its close), the line
-        says that writer is deleting it, not that a writer was killed.
+        says that writer is deleting it, not that a writer was killed. Opening the store
+        (:func:`open_store`) says nothing about such a folder: it holds no row of this store.
 
         Returns
         -------
@@ -4259,6 +4260,15 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
         folder inside a store (`acts`, an array's folder, ...) names the store to open instead.
     StoreCorruptError
         The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
+
+    Warns
+    -----
+    UserWarning
+        A local store that lists no committed forward while a folder next to it
+        (``.<name>.replaced-<hex>``) holds the store an ``overwrite=True`` moved aside: the rows
+        a reader expected are there (FORMAT.md section 7). Nothing is said of files a killed
+        writer left that nothing reads, such a folder's remains included: :meth:`Store.leftovers`
+        and ``verify`` name those.
 
     Example
     -------
