@@ -169,7 +169,7 @@ def _adopt_aside(b: LocalBackend) -> Path | None:
             attrs = None  # (a damaged root: moved aside as any other store)
         if attrs is not None:
             refuse_foreign_entries(b)  # (a file of the user's beside it is never removed)
-            b.drop_unstarted_store(attrs, ranks=True)
+            b.drop_unstarted_store(attrs)
     return b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
 
 

@@ -6,6 +6,7 @@ resume) completes it (FORMAT.md section 10), on a local folder, in fsspec memory
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -263,3 +264,62 @@ def test_a_resume_names_the_old_store_a_killed_overwrite_left_aside(tmp_path):
                       r"overwrite=True moved aside and never settled"):
         prepare_root(url, world_size=WORLD, resume=True)
     assert sorted(p.name for p in aside.iterdir()) == before
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path: bytes), but the writer lock (never moved aside)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != B.LOCK_KEY}
+
+
+@pytest.mark.parametrize("case", ["commits", "fails", "two folders"])
+def test_a_one_process_overwrite_settles_the_old_store_a_killed_multi_rank_overwrite_left_aside(tmp_path, case):
+    """A multi-rank overwrite killed before its ranks' commit (rank 0 gone after it moved the old
+    store aside and wrote the new run's root, its ranks' stores written) leaves the old store
+    whole in ``.<name>.replaced-<hex>`` beside an uncommitted multi-rank root. A one-process
+    ``overwrite=True`` settles that folder as a multi-rank overwrite does (FORMAT.md section 7):
+    the uncommitted root and its rank stores go, and the folder is deleted once the new store
+    commits, else the old store is put back whole. Two folders aside still cannot be told apart:
+    named in a warning, kept. (Before, the one-process overwrite kept the folder and warned,
+    and so did every later overwrite.)"""
+    import warnings
+
+    from activationscope.store import StoreWriter
+    from activationscope.store.ranks import _prepare
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    before = _files(url)
+    aside: list[Path] = []
+    _prepare(str(url), WORLD, True, False, None, aside)  # (rank 0's step; killed after it: nothing settles it)
+    job.capture_rank_stores(str(url), ["mean"], WORLD, model=_model(1))
+    (moved,) = aside
+    assert _files(moved) == before and (url / "ranks").is_dir()
+    assert acs.open_store(url).attrs["distributed"]["committed"] is False
+    if case == "two folders":
+        other = tmp_path / ".s.zarr.replaced-0000aaaa"
+        shutil.copytree(moved, other)
+        with pytest.warns(RuntimeWarning, match=r"never settled"):
+            StoreWriter(str(url), overwrite=True).abort(RuntimeError("stop"))
+        assert _files(moved) == before and _files(other) == before  # (kept, both)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the folder is this overwrite's own: nothing to warn about)
+        w = StoreWriter(str(url), overwrite=True)
+        if case == "commits":
+            w.open_array("new.output", (4,), torch.float32, "sample").append(torch.ones(8, 4))
+            w.add_batch(8)
+            w.close()
+        else:
+            w.abort(RuntimeError("stop"))
+    assert [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+    assert not (url / "ranks").exists()
+    st = acs.open_store(url)
+    assert st.verify() == [] and "distributed" not in st.attrs
+    if case == "commits":
+        assert st.hook_points == ["new.output"] and torch.equal(st["new.output"], torch.ones(8, 4))
+    else:
+        assert _files(url) == before  # (the old store back, byte for byte)
