@@ -6,6 +6,7 @@ resume) completes it (FORMAT.md section 10), on a local folder, in fsspec memory
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import uuid
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import activationscope as acs
+from activationscope.store import StoreWriter
 from activationscope.store import _backend as B
 from activationscope.store.ranks import commit_ranks, prepare_root
 
@@ -284,7 +286,6 @@ def test_a_one_process_overwrite_settles_the_old_store_a_killed_multi_rank_overw
     and so did every later overwrite.)"""
     import warnings
 
-    from activationscope.store import StoreWriter
     from activationscope.store.ranks import _prepare
 
     url = tmp_path / "s.zarr"
@@ -323,3 +324,50 @@ def test_a_one_process_overwrite_settles_the_old_store_a_killed_multi_rank_overw
         assert st.hook_points == ["new.output"] and torch.equal(st["new.output"], torch.ones(8, 4))
     else:
         assert _files(url) == before  # (the old store back, byte for byte)
+
+
+def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by_a_killed_writer(tmp_path,
+                                                                                                 monkeypatch):
+    """Rank 0 deletes the old store a multi-rank overwrite moved aside once the ranks' commit is
+    written; it now holds the store's writer lock meanwhile, as a one-process writer's close
+    does, so ``Store.leftovers()`` says a running writer deletes the folder (before, it said its
+    writer was killed and gave an rm -rf of it), and a resume waits rather than deleting it too."""
+    import threading
+
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+    from activationscope.store.ranks import RankSession
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    for at in (url, tmp_path / "old.zarr"):
+        scope = acs.ActivationScope(store=str(at), store_options={"process_group": False})
+        with scope.track(model), torch.no_grad():
+            model(job.batch(0))
+    aside = tmp_path / ".s.zarr.replaced-0123abcd"  # (the old store, as rank 0 moved it aside)
+    shutil.copytree(tmp_path / "old.zarr", aside, ignore=shutil.ignore_patterns(B.LOCK_KEY))
+    go, started = threading.Event(), threading.Event()
+    delete = W._delete_aside
+
+    def held(p):
+        started.set()
+        go.wait(30)  # (bounded: released below)
+        return delete(p)
+
+    monkeypatch.setattr(W, "_delete_aside", held)
+    session = RankSession(None, 0, WORLD, str(url))
+    session._aside.append(aside)
+    settling = threading.Thread(target=session._settle_aside, args=(True,))
+    settling.start()
+    try:
+        assert started.wait(10)
+        assert not (aside / "zarr.json").exists() and any(aside.iterdir())
+        (line,) = acs.open_store(url).leftovers()
+        assert f"a writer of this store is running (pid {os.getpid()} on host" in line and "killed" not in line, line
+        with pytest.raises(acs.StoreLockedError):
+            StoreWriter(str(url), resume=True)
+    finally:
+        go.set()
+        settling.join(30)
+    assert not settling.is_alive() and not aside.exists() and writer_holding(B.resolve(str(url))) is None
+    assert acs.open_store(url).leftovers() == []
