@@ -763,7 +763,7 @@ class LocalBackend:
                 "back whole if the new one commits nothing), or, to keep the old store, move every entry of that "
                 f"folder back into {str(self.root)!r} (zarr.json last) and delete the empty folder")
 
-    def drop_unstarted_store(self, attrs: dict | None, *, ranks: bool = False) -> bool:
+    def drop_unstarted_store(self, attrs: dict | None) -> bool:
         """``overwrite=True`` of a store folder whose root (``attrs``, its parsed attributes) is
         that of a run that committed no forward (status ``incomplete``, no batch, no array with
         rows) while exactly one folder of :meth:`aside_folders` holds a whole store's root: an
@@ -774,14 +774,14 @@ class LocalBackend:
         else returns False, changing nothing. Entries that are not a store's are never removed
         (the caller refuses them first). Call it under the writer lock.
 
-        With ``ranks`` (a multi-rank overwrite, ``prepare_root``), the root may also be the
-        uncommitted root of a multi-rank run (``distributed.committed`` false): its rank stores
-        (``ranks/``), whose rows no commit took, go with it."""
+        The root may also be the uncommitted root of a multi-rank run (``distributed.committed``
+        false): its rank stores (``ranks/``), whose rows no commit took, go with it, for an
+        overwrite of one process (``StoreWriter``) as of many ranks (``prepare_root``) alike."""
         if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
                 or "rank_store" in attrs):  # (rank stores hold rows of their own)
             return False
         dist = attrs.get("distributed")
-        if "distributed" in attrs and not (ranks and isinstance(dist, dict) and dist.get("committed") is False):
+        if "distributed" in attrs and not (isinstance(dist, dict) and dist.get("committed") is False):
             return False
         arrays = attrs.get("arrays") or {}
         if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):

@@ -169,7 +169,7 @@ def _adopt_aside(b: LocalBackend) -> Path | None:
             attrs = None  # (a damaged root: moved aside as any other store)
         if attrs is not None:
             refuse_foreign_entries(b)  # (a file of the user's beside it is never removed)
-            b.drop_unstarted_store(attrs, ranks=True)
+            b.drop_unstarted_store(attrs)
     return b.finish_move_aside()  # (refuses, changing nothing, what it cannot tell apart)
 
 
@@ -1725,17 +1725,28 @@ class RankSession:
 
     def _settle_aside(self, committed: bool) -> str | None:
         """Rank 0, local ``overwrite=True``: once the ranks' commit is written (``committed``),
-        delete the old store moved aside (its root document first, as one process does); else,
-        every rank's store closed, put it back whole in place of the new run's root and rank
-        stores, under the store's writer lock. Returns None when there was nothing to settle or
-        it went well, else a sentence naming the folder that still holds the old store."""
+        delete the old store moved aside (its root document first, as one process does), under
+        the store's writer lock as a one-process writer's close waits for that delete (readers
+        then say a running writer deletes the folder; when another writer took the store since
+        the commit, the delete goes on without the lock); else, every rank's store closed, put it
+        back whole in place of the new run's root and rank stores, under the store's writer
+        lock. Returns None when there was nothing to settle or it went well, else a sentence
+        naming the folder that still holds the old store."""
         if not self._aside:
             return None
         aside = self._aside.pop()
         if committed:
             with contextlib.suppress(OSError):
                 (aside / "zarr.json").unlink()
-            _AsideDelete(aside).finish(self.root)  # (warns, naming the folder, when part of it stays)
+            try:
+                lock: WriterLock | None = WriterLock(resolve(self.root, storage_options=self.storage_options)).acquire()
+            except Exception:  # noqa: BLE001 - (another writer holds the store now): the delete goes on all the same
+                lock = None
+            try:
+                _AsideDelete(aside).finish(self.root)  # (warns, naming the folder, when part of it stays)
+            finally:
+                if lock is not None:
+                    lock.release()
             return None
         b = resolve(self.root, storage_options=self.storage_options)
         try:

@@ -3409,7 +3409,10 @@ class Store:
         section 7): named when it is the one such folder, holds no root document and nothing but
         a store's entries, and this store's root lists a committed forward (or says
         ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
-        ``overwrite=True`` deletes it.
+        ``overwrite=True`` deletes it. While a writer holds the store's lock (a live process: the
+        writer of that overwrite deletes the folder in the background until its close), the line
+        says that writer is deleting it, not that a writer was killed. Opening the store
+        (:func:`open_store`) says nothing about such a folder: it holds no row of this store.
 
         Returns
         -------
@@ -3422,7 +3425,18 @@ class Store:
         if isinstance(self._backend, LocalBackend) and F.settled_replaced(self._attrs) and all(
                 self._backend.size(k) is not None for k in F.listed_keys(self._attrs)):
             remains = self._backend.replaced_remains()
+            holder = None
             if remains is not None:
+                from ._lock import writer_holding  # (a local lock is held only by a live writer)
+
+                holder = writer_holding(self._backend)
+            if remains is not None and holder is not None:
+                out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here (its "
+                           "root document is gone: nothing reads it); a writer of this store is running "
+                           f"({holder}) and deletes it before its close returns: nothing to do (a writer that warned "
+                           "about this folder as it opened keeps it: the next resume=True or overwrite=True deletes "
+                           "it)")
+            elif remains is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "
                            "delete cut short (its writer was killed after this store's commit; its root document is "
                            "gone: nothing reads it); harmless, the next resume=True or overwrite=True of this store "
@@ -4246,6 +4260,15 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
         folder inside a store (`acts`, an array's folder, ...) names the store to open instead.
     StoreCorruptError
         The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
+
+    Warns
+    -----
+    UserWarning
+        A local store that lists no committed forward while a folder next to it
+        (``.<name>.replaced-<hex>``) holds the store an ``overwrite=True`` moved aside: the rows
+        a reader expected are there (FORMAT.md section 7). Nothing is said of files a killed
+        writer left that nothing reads, such a folder's remains included: :meth:`Store.leftovers`
+        and ``verify`` name those.
 
     Example
     -------

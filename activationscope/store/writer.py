@@ -1367,11 +1367,13 @@ class StoreWriter:
 
     def _drop_unstarted_store(self) -> None:
         """overwrite=True, local: the store at the path is the new store of an earlier overwrite
-        killed before its first commit (no row), whose old store is still in the one folder it
-        was moved aside into: the unstarted store goes (``LocalBackend.drop_unstarted_store``)
-        and that folder is then taken back as this overwrite's own (``finish_move_aside``), so
-        the old store is put back if this run commits nothing and deleted once it commits, as
-        in an overwrite never interrupted (before, it stayed aside with a warning)."""
+        killed before its first commit (no row; or the uncommitted root of a multi-rank overwrite,
+        with its rank stores), whose old store is still in the one folder it was moved aside
+        into: the unstarted store goes (``LocalBackend.drop_unstarted_store``) and that folder is
+        then taken back as this overwrite's own (``finish_move_aside``), so the old store is put
+        back if this run commits nothing and deleted once it commits, as in an overwrite never
+        interrupted and as a multi-rank overwrite settles it (before, it stayed aside with a
+        warning)."""
         b = self._backend
         if not os.path.lexists(b.root / "zarr.json") or not b.moved_roots():
             return

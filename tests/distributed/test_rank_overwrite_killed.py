@@ -6,6 +6,8 @@ resume) completes it (FORMAT.md section 10), on a local folder, in fsspec memory
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import activationscope as acs
+from activationscope.store import StoreWriter
 from activationscope.store import _backend as B
 from activationscope.store.ranks import commit_ranks, prepare_root
 
@@ -263,3 +266,108 @@ def test_a_resume_names_the_old_store_a_killed_overwrite_left_aside(tmp_path):
                       r"overwrite=True moved aside and never settled"):
         prepare_root(url, world_size=WORLD, resume=True)
     assert sorted(p.name for p in aside.iterdir()) == before
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path: bytes), but the writer lock (never moved aside)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != B.LOCK_KEY}
+
+
+@pytest.mark.parametrize("case", ["commits", "fails", "two folders"])
+def test_a_one_process_overwrite_settles_the_old_store_a_killed_multi_rank_overwrite_left_aside(tmp_path, case):
+    """A multi-rank overwrite killed before its ranks' commit (rank 0 gone after it moved the old
+    store aside and wrote the new run's root, its ranks' stores written) leaves the old store
+    whole in ``.<name>.replaced-<hex>`` beside an uncommitted multi-rank root. A one-process
+    ``overwrite=True`` settles that folder as a multi-rank overwrite does (FORMAT.md section 7):
+    the uncommitted root and its rank stores go, and the folder is deleted once the new store
+    commits, else the old store is put back whole. Two folders aside still cannot be told apart:
+    named in a warning, kept. (Before, the one-process overwrite kept the folder and warned,
+    and so did every later overwrite.)"""
+    import warnings
+
+    from activationscope.store.ranks import _prepare
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    before = _files(url)
+    aside: list[Path] = []
+    _prepare(str(url), WORLD, True, False, None, aside)  # (rank 0's step; killed after it: nothing settles it)
+    job.capture_rank_stores(str(url), ["mean"], WORLD, model=_model(1))
+    (moved,) = aside
+    assert _files(moved) == before and (url / "ranks").is_dir()
+    assert acs.open_store(url).attrs["distributed"]["committed"] is False
+    if case == "two folders":
+        other = tmp_path / ".s.zarr.replaced-0000aaaa"
+        shutil.copytree(moved, other)
+        with pytest.warns(RuntimeWarning, match=r"never settled"):
+            StoreWriter(str(url), overwrite=True).abort(RuntimeError("stop"))
+        assert _files(moved) == before and _files(other) == before  # (kept, both)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the folder is this overwrite's own: nothing to warn about)
+        w = StoreWriter(str(url), overwrite=True)
+        if case == "commits":
+            w.open_array("new.output", (4,), torch.float32, "sample").append(torch.ones(8, 4))
+            w.add_batch(8)
+            w.close()
+        else:
+            w.abort(RuntimeError("stop"))
+    assert [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+    assert not (url / "ranks").exists()
+    st = acs.open_store(url)
+    assert st.verify() == [] and "distributed" not in st.attrs
+    if case == "commits":
+        assert st.hook_points == ["new.output"] and torch.equal(st["new.output"], torch.ones(8, 4))
+    else:
+        assert _files(url) == before  # (the old store back, byte for byte)
+
+
+def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by_a_killed_writer(tmp_path,
+                                                                                                 monkeypatch):
+    """Rank 0 deletes the old store a multi-rank overwrite moved aside once the ranks' commit is
+    written; it now holds the store's writer lock meanwhile, as a one-process writer's close
+    does, so ``Store.leftovers()`` says a running writer deletes the folder (before, it said its
+    writer was killed and gave an rm -rf of it), and a resume waits rather than deleting it too."""
+    import threading
+
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+    from activationscope.store.ranks import RankSession
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    for at in (url, tmp_path / "old.zarr"):
+        scope = acs.ActivationScope(store=str(at), store_options={"process_group": False})
+        with scope.track(model), torch.no_grad():
+            model(job.batch(0))
+    aside = tmp_path / ".s.zarr.replaced-0123abcd"  # (the old store, as rank 0 moved it aside)
+    shutil.copytree(tmp_path / "old.zarr", aside, ignore=shutil.ignore_patterns(B.LOCK_KEY))
+    go, started = threading.Event(), threading.Event()
+    delete = W._delete_aside
+
+    def held(p):
+        started.set()
+        go.wait(30)  # (bounded: released below)
+        return delete(p)
+
+    monkeypatch.setattr(W, "_delete_aside", held)
+    session = RankSession(None, 0, WORLD, str(url))
+    session._aside.append(aside)
+    settling = threading.Thread(target=session._settle_aside, args=(True,))
+    settling.start()
+    try:
+        assert started.wait(10)
+        assert not (aside / "zarr.json").exists() and any(aside.iterdir())
+        (line,) = acs.open_store(url).leftovers()
+        assert f"a writer of this store is running (pid {os.getpid()} on host" in line and "killed" not in line, line
+        with pytest.raises(acs.StoreLockedError):
+            StoreWriter(str(url), resume=True)
+    finally:
+        go.set()
+        settling.join(30)
+    assert not settling.is_alive() and not aside.exists() and writer_holding(B.resolve(str(url))) is None
+    assert acs.open_store(url).leftovers() == []

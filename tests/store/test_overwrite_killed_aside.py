@@ -592,6 +592,46 @@ def test_the_first_commit_does_not_wait_for_the_old_store_to_be_deleted(tmp_path
     assert s.status == "complete" and torch.equal(s["new.output"], rows) and s.verify() == []
 
 
+def test_the_old_store_a_running_writer_deletes_is_not_said_to_be_left_by_a_killed_one(tmp_path, monkeypatch, capsys):
+    """The overwrite has committed and deletes the old store in the background (held here), its
+    writer open: ``Store.leftovers()`` and ``activationscope verify`` name the folder as being
+    deleted by the running writer (its pid), nothing to do; opening the store says nothing. (Before,
+    they said its writer was killed and gave an rm -rf of the folder the writer was deleting.)"""
+    from activationscope import cli
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    go, started = threading.Event(), threading.Event()
+    delete = W._delete_aside
+
+    def held(p):
+        started.set()
+        go.wait(30)  # (bounded: released below)
+        return delete(p)
+
+    monkeypatch.setattr(W, "_delete_aside", held)
+    w, rows = _overwrite_writer(path)
+    (aside,) = _asides(tmp_path)
+    try:
+        assert w.commit() and started.wait(10)
+        assert aside.is_dir() and not (aside / "zarr.json").exists() and any(aside.iterdir())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (nothing to say on opening: the folder holds no row of this store)
+            s = open_store(path)
+        assert torch.equal(s["new.output"], rows) and s.verify() == []
+        (line,) = s.leftovers()
+        assert line.startswith(f"folder '{aside}': what is left of the store an overwrite=True replaced here"), line
+        assert f"a writer of this store is running (pid {os.getpid()} on host" in line and "nothing to do" in line
+        assert "killed" not in line and "rm -rf" not in line, line
+        assert cli.main(["verify", str(path)]) == 0
+        assert f"note: {path}: {line}" in capsys.readouterr().err
+    finally:
+        go.set()
+    w.close()
+    assert _asides(tmp_path) == [] and open_store(path).leftovers() == []
+
+
 def test_a_delete_of_the_old_store_that_fails_warns_at_the_close_not_in_a_commit(tmp_path, monkeypatch):
     """Part of the old store cannot be deleted: the commit that settles it raises nothing (not
     even with warnings as errors: it runs in a forward), and the close warns, naming the folder
