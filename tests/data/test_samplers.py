@@ -327,11 +327,11 @@ def test_chunk_shuffle_first_batch_needs_one_window_not_the_whole_epoch():
     # The whole order of an epoch was built before the first batch: 8 bytes a row (400 MB
     # and 18 s for 50 million token rows, 8 GB for a billion). Of 2**40 rows that cannot be
     # allocated; one window of 2**16 rows can.
-    s = ChunkShuffleBatchSampler(2**40, 1000, block_rows=2**24, buffer_rows=2**16, seed=0)
+    s = ChunkShuffleBatchSampler(2**40, 1000, block_rows=2**20, buffer_rows=2**16, seed=0)
     it = iter(s)
     first, second = next(it), next(it)
     assert len(first) == len(second) == 1000 and len(set(first + second)) == 2000
-    # both from the first window, which is one block of 2**24 rows
-    assert len({i >> 24 for i in first + second}) == 1
-    r = ChunkShuffleBatchSampler(2**40, 1000, block_rows=2**24, buffer_rows=2**16, seed=0, rank=1, world_size=2**20)
+    # both from the first window, which is one block of 2**20 rows
+    assert len({i >> 20 for i in first + second}) == 1
+    r = ChunkShuffleBatchSampler(2**40, 1000, block_rows=2**20, buffer_rows=2**16, seed=0, rank=1, world_size=2**20)
     assert len(next(iter(r))) == 1000
