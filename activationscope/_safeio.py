@@ -213,14 +213,27 @@ def batch_order(table: Any, by_rank: bool) -> tuple[str, tuple] | None:
     for c, col in cols.items():
         if not pa.types.is_integer(col.type) or col.null_count:
             return "type", (c, col.type, col.null_count)
+    if "rank" not in cols:
+        # one part's chunk at a time, never the whole column as one array (and its np.diff): a
+        # token table of tens of millions of rows made two copies of its batch column per read
+        start, last = 0, None
+        for chunk in cols["batch"].chunks:
+            b = chunk.to_numpy(zero_copy_only=False)
+            if not len(b):
+                continue
+            if last is not None and b[0] < last:
+                return "back", (start, int(last), int(b[0]))
+            back = b[1:] < b[:-1]
+            if back.any():
+                i = int(np.argmax(back))
+                return "back", (start + i + 1, int(b[i]), int(b[i + 1]))
+            start, last = start + len(b), b[-1]
+        return None
     batch = cols["batch"].to_numpy().astype(np.int64, copy=False)
-    if "rank" in cols:
-        rank = cols["rank"].to_numpy().astype(np.int64, copy=False)
-        order = np.argsort(rank, kind="stable")
-        rank, batch = rank[order], batch[order]
-        back = (np.diff(batch) < 0) & (np.diff(rank) == 0)
-    else:
-        back = np.diff(batch) < 0
+    rank = cols["rank"].to_numpy().astype(np.int64, copy=False)
+    order = np.argsort(rank, kind="stable")
+    rank, batch = rank[order], batch[order]
+    back = (np.diff(batch) < 0) & (np.diff(rank) == 0)
     if back.any():
         i = int(np.flatnonzero(back)[0])
         return "back", (i + 1, int(batch[i]), int(batch[i + 1]))

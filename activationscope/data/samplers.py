@@ -343,7 +343,9 @@ class ChunkShuffleBatchSampler(_BatchSampler):
     ``buffer_rows / len``. A batch (of at most ``buffer_rows`` rows) holds rows of at most
     two windows, i.e. of at most ``2 * ceil(buffer_rows / block)`` blocks of equal size. With
     ``buffer_rows >= len`` this is a global uniform shuffle; with ``buffer_rows <= block`` it
-    shuffles rows within each block only. Cost: 8 bytes per row for the order.
+    shuffles rows within each block only. Cost: the order is built one window at a time as
+    batches are taken, 8 bytes per row of one window (``buffer_rows`` plus at most one block),
+    whatever the dataset's length; the first batch comes after one window is built.
 
     Parameters
     ----------
@@ -396,23 +398,68 @@ class ChunkShuffleBatchSampler(_BatchSampler):
         self.block_starts = bounds
         self.block_sizes = torch.diff(bounds, append=torch.tensor([self.n], dtype=torch.int64))
 
-    def _order(self) -> torch.Tensor:
+    def _windows(self, a: int, b: int) -> Iterator[tuple[int, torch.Tensor | None]]:
+        """The epoch's order one window at a time: ``(window's first position in the order,
+        its rows)``, rows an int64 Tensor of dataset positions, or None for a window that ends
+        at or before order position ``a`` (not built); it stops after the window holding
+        position ``b - 1``. Memory: one window's rows (``buffer_rows`` plus at most one
+        block), never the whole order. Every window's permutation is drawn in turn from one
+        generator, skipped windows' too, so the order is the same whatever part is taken."""
         g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch, salt=1))
-        n_blocks = self.block_starts.numel()
         if self.n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        perm = torch.randperm(n_blocks, generator=g)
+            return
+        perm = torch.randperm(self.block_starts.numel(), generator=g)
         starts, sizes = self.block_starts[perm], self.block_sizes[perm]
-        # rows in shuffled block order
-        rows = torch.repeat_interleave(starts - torch.cumsum(sizes, 0) + sizes, sizes) + torch.arange(self.n)
         # window boundaries: close a window once it holds >= buffer_rows rows
-        out = torch.empty_like(rows)
-        pos, acc, win_start = 0, 0, 0
-        for size in sizes.tolist():
+        pos, acc, win_start, first = 0, 0, 0, 0
+        for k, size in enumerate(sizes.tolist()):
             acc += size
             pos += size
             if acc >= self.buffer_rows or pos == self.n:
-                k = pos - win_start
-                out[win_start:pos] = rows[win_start:pos][torch.randperm(k, generator=g)]
-                win_start, acc = pos, 0
-        return out
+                shuffle = torch.randperm(pos - win_start, generator=g)
+                if pos <= a:
+                    yield win_start, None
+                else:  # the rows of the window's blocks, in shuffled block order, then permuted
+                    s, z = starts[first : k + 1], sizes[first : k + 1]
+                    rows = torch.repeat_interleave(s - torch.cumsum(z, 0) + z, z) + torch.arange(pos - win_start)
+                    yield win_start, rows[shuffle]
+                win_start, acc, first = pos, 0, k + 1
+                if win_start >= b:
+                    return
+
+    def _order(self) -> torch.Tensor:
+        """The whole epoch's order, int64 ``(n,)`` (8 bytes per row: :meth:`__iter__` builds
+        it one window at a time instead)."""
+        parts = [rows for _, rows in self._windows(0, self.n) if rows is not None]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The batches of :meth:`_BatchSampler.__iter__` (this rank's part of the order, cut
+        # into batch_size), taken from each window as it is built: the first batch comes after
+        # one window, not after the order of every row of the epoch.
+        a, b = self._bounds()
+        stop = a + len(self) * self.batch_size
+        end = min(stop, b)
+        if end <= a:
+            return
+        carry: list[torch.Tensor] = []
+        held, at = 0, a  # rows in carry; order position of the next row to batch
+        for win_start, rows in self._windows(a, end):
+            if rows is None:
+                continue
+            lo, hi = max(at, win_start) - win_start, min(end, win_start + rows.numel()) - win_start
+            if hi <= lo:
+                break
+            carry.append(rows[lo:hi])
+            held += hi - lo
+            at = win_start + hi
+            if held >= self.batch_size:
+                pending = torch.cat(carry)
+                n_full = held // self.batch_size * self.batch_size
+                for i in range(0, n_full, self.batch_size):
+                    yield pending[i : i + self.batch_size].tolist()
+                carry, held = [pending[n_full:]], held - n_full
+            if at >= end:
+                break
+        if held:
+            yield torch.cat(carry).tolist()

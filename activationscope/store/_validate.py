@@ -1035,14 +1035,19 @@ def pairing_keys(samples: Any, tokens: Any, keys: Iterable[str]) -> list[str]:
     return out + ["sample_id"]
 
 
+#: Token rows paired with their samples at a time (:func:`token_rows_without_sample`).
+PAIRING_ROWS = 1 << 20
+
+
 def token_rows_without_sample(samples: Any, tokens: Any, keys: Iterable[str]) -> tuple[int, list, int, list]:
     """Token rows that no sample row describes (FORMAT.md §4, §9 rule 15): a writer records
     each forward's samples and their token rows together, with the same ``sample_id``,
     ``batch`` (and, in a store committed from rank stores, ``rank``), so each token row's
     ``keys`` values are those of a row of the sample table. A generation step
     (``same_samples=True``) records its samples again under its own ``batch``; resumed and
-    multi-rank stores keep the pairing. Vectorised (hash lookups, no loop per row): a store
-    of millions of token rows is checked in one pass over each column.
+    multi-rank stores keep the pairing. Vectorised (hash lookups, no loop per row), in slices
+    of ``PAIRING_ROWS`` token rows: a store of millions of token rows is checked in one pass
+    over each column, with the memory of one slice (and the sample table's keys).
 
     Parameters
     ----------
@@ -1064,26 +1069,40 @@ def token_rows_without_sample(samples: Any, tokens: Any, keys: Iterable[str]) ->
     import pyarrow.compute as pc
 
     keys = pairing_keys(samples, tokens, keys)
-    ids = tokens.column("sample_id")
     known_ids = pc.unique(samples.column("sample_id").combine_chunks())
-    known = pc.fill_null(pc.is_in(ids, value_set=known_ids), False)
-    unknown = pc.invert(known)
-    n_unknown = int(pc.sum(unknown).as_py() or 0)
-    unknown_ids = pc.unique(ids.filter(unknown).combine_chunks()).slice(0, 5).to_pylist() if n_unknown else []
-    if len(keys) == 1 or not tokens.num_rows:
-        return n_unknown, unknown_ids, 0, []
-    # among the rows of known ids (a null id pairs by is_in above, never by a join): each row's
-    # keys looked up among the sample rows' distinct keys
-    rows = tokens.select(keys).append_column("_row", pa.array(np.arange(tokens.num_rows, dtype=np.int64)))
-    rows = rows.filter(pc.and_(known, pc.is_valid(ids)))
-    pairs = samples.select(keys).group_by(keys).aggregate([])
-    pairs = pairs.append_column("_pair", pa.array(np.ones(pairs.num_rows, dtype=bool)))
-    joined = rows.join(pairs, keys, join_type="left outer")
-    lost = joined.filter(pc.is_null(joined.column("_pair")))
-    if not lost.num_rows:
-        return n_unknown, unknown_ids, 0, []
-    first = lost.group_by(keys).aggregate([("_row", "min")]).sort_by("_row_min").slice(0, 5).select(keys).to_pylist()
-    return n_unknown, unknown_ids, lost.num_rows, first
+    pairs = None
+    if len(keys) > 1:
+        pairs = samples.select(keys).group_by(keys).aggregate([])
+        pairs = pairs.append_column("_pair", pa.array(np.ones(pairs.num_rows, dtype=bool)))
+    n_unknown, unknown_ids, n_unpaired, unpaired = 0, [], 0, []
+    # PAIRING_ROWS token rows at a time: the lookups and the join hold one slice, not every row
+    for start in range(0, tokens.num_rows, PAIRING_ROWS):
+        part = tokens.slice(start, PAIRING_ROWS)
+        ids = part.column("sample_id")
+        known = pc.fill_null(pc.is_in(ids, value_set=known_ids), False)
+        unknown = pc.invert(known)
+        n = int(pc.sum(unknown).as_py() or 0)
+        if n:
+            n_unknown += n
+            if len(unknown_ids) < 5:  # the first distinct ids in row order
+                new = pc.unique(ids.filter(unknown).combine_chunks()).to_pylist()
+                unknown_ids += [i for i in new if i not in unknown_ids][:5 - len(unknown_ids)]
+        if pairs is None:
+            continue
+        # among the rows of known ids (a null id pairs by is_in above, never by a join): each row's
+        # keys looked up among the sample rows' distinct keys
+        rows = part.select(keys).append_column("_row", pa.array(np.arange(start, start + part.num_rows,
+                                                                          dtype=np.int64)))
+        rows = rows.filter(pc.and_(known, pc.is_valid(ids)))
+        joined = rows.join(pairs, keys, join_type="left outer")
+        lost = joined.filter(pc.is_null(joined.column("_pair")))
+        if not lost.num_rows:
+            continue
+        n_unpaired += lost.num_rows
+        if len(unpaired) < 5:
+            first = lost.group_by(keys).aggregate([("_row", "min")]).sort_by("_row_min").slice(0, 5).select(keys)
+            unpaired += [v for v in first.to_pylist() if v not in unpaired][:5 - len(unpaired)]
+    return n_unknown, unknown_ids, n_unpaired, unpaired
 
 
 def token_rows_without_sample_lines(samples: Any, tokens: Any, keys: Iterable[str], fix: str) -> list[str]:

@@ -3245,6 +3245,7 @@ class Store:
                 mine = mine[:20] + [f"hook point {hp!r}: ... and {len(mine) - 20} more problems"]
             problems += mine
         tables = self._attrs.get("row_tables") or {}
+        read = {}  # each table as read once (a token table of tens of millions of rows: read it once, not twice)
         for kind, info in tables.items():
             tries = 0
             while True:  # (again on the parts the root lists now, when a commit since merged a part: row_table())
@@ -3287,16 +3288,12 @@ class Store:
                                 f"{info.get('n_rows', 0)}")
             elif readable:  # each part is fine: the table is their concatenation (columns of one type)
                 try:
-                    self.row_table(kind)
+                    table = self.row_table(kind)
                 except StoreCorruptError as e:
                     problems.append(self._table_problem(kind, e))
-        read = {}
-        for kind in ("sample", "token"):
-            if (tables.get(kind) or {}).get("parts"):
-                try:
-                    read[kind] = self.row_table(kind)
-                except (StoreCorruptError, KeyError):
-                    pass  # (reported above)
+                else:
+                    if kind in ("sample", "token") and info.get("parts"):
+                        read[kind] = table
         if len(read) == 2:  # token rows are paired with their sample by these columns: one type in both
             keys = [k for k in ("rank", "batch", "sample_id")
                     if k in read["sample"].column_names and k in read["token"].column_names]

@@ -268,3 +268,23 @@ def test_forked_workers_of_an_s3_dataset_print_nothing_about_the_parents_client_
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "read 40", out.stderr
     assert "Unclosed client session" not in out.stderr
+
+
+def test_columns_are_read_when_made_and_fork_workers_share_them(store_path, monkeypatch):
+    # (each DataLoader worker read the whole row table and made its own column tensors before
+    # its first batch: 45 s and 3 GB per worker for a store of 50 million token rows)
+    path, acts = store_path
+    ds = ActivationDataset(str(path), columns=["sample_id", "label"], open_options={"opener": open_fake})
+
+    def refused(self, kind):
+        raise AssertionError(f"row table {kind!r} read again")
+
+    monkeypatch.setattr(StoreSource, "row_table", refused)
+    assert torch.equal(ds[:]["label"], torch.arange(N) % 3)
+    loader = DataLoader(ds, batch_sampler=ShuffledBatchSampler(ds, 10, seed=0), num_workers=2,
+                        multiprocessing_context=mp.get_context("fork"))
+    batches = list(loader)
+    ids = torch.cat([b["sample_id"] for b in batches])
+    assert sorted(ids.tolist()) == list(range(N))
+    assert torch.equal(torch.cat([b["label"] for b in batches]), ids % 3)
+    assert torch.equal(torch.cat([b["x"] for b in batches]), acts[ids])

@@ -1244,6 +1244,34 @@ def test_row_table_parts_listed_out_of_order(tmp_path, kind):
     assert any("goes back from 1 to 0" in p for p in open_store(path).verify())
 
 
+
+@pytest.mark.parametrize("back_at", [None, 500_000, 123_457])
+def test_batch_order_of_a_long_row_table_reads_one_part_at_a_time(back_at):
+    """The batch-order check of every row-table read took the whole ``batch`` column as one
+    array and its ``np.diff`` (two copies of it: 800 MB and 3.5 s per read of a token table of
+    50 million rows). It finds the same row, at a part's first row or inside one, with
+    allocations of one part at most."""
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow as pa
+
+    from activationscope._safeio import batch_order
+
+    batch = np.repeat(np.arange(2000, dtype=np.int64), 500)  # 1,000,000 rows, 8 MB
+    if back_at is not None:
+        batch[back_at:] -= 3
+    column = pa.chunked_array([batch[i:i + 10_000] for i in range(0, len(batch), 10_000)])  # 100 parts
+    tracemalloc.start()
+    try:
+        found = batch_order(pa.table({"batch": column}), False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = None if back_at is None else ("back", (back_at, int(batch[back_at - 1]), int(batch[back_at])))
+    assert found == want
+    assert peak < batch.nbytes // 4
+
 def _three_part_store(path: Path, rank_of_batch) -> torch.nn.Module:
     """A one-process store of three forwards of 2 samples (a run, then two resumes: a
     row-table part each) with a user column ``rank`` of ``rank_of_batch(b)`` per sample."""

@@ -192,3 +192,45 @@ def test_rows_of_a_committed_rank_store_paired_with_another_rank_are_named_by_ve
     (line,) = open_store(path).verify()
     assert "3 of its 12 rows have a sample_id of the sample row table but no sample row with their rank, batch, " \
            "sample_id together, first [{'rank': 0, 'batch': 0, 'sample_id': 2}]" in line, line
+
+
+@pytest.mark.parametrize("edit", ["unknown", "unpaired"])
+def test_verify_reads_each_row_table_once_and_pairs_token_rows_a_slice_at_a_time(tmp_path, monkeypatch, edit):
+    """verify read each row table twice and paired every token row with its sample in one
+    join (4 GB of memory for a store of 50 million token rows): now each part is read once
+    and the token rows are paired PAIRING_ROWS at a time, with the same findings."""
+    import pyarrow.acero
+
+    from activationscope.store import _validate as V
+    from activationscope.store import reader
+
+    path = tmp_path / "s.zarr"
+    _token_store(path)
+    if edit == "unknown":
+        _edit_tokens(path, "sample_id", [99, 99, 1, 1, 1, 10, 10, 98, 98, 97])
+        want = ("row table 'token': 5 of its 10 rows have a sample_id that is in no row of the sample row table "
+                "(4 rows), first [99, 98, 97]: ")
+    else:
+        _edit_tokens(path, "sample_id", [0, 0, 1, 10, 1, 0, 0, 11, 1, 11])
+        want = ("row table 'token': 4 of its 10 rows have a sample_id of the sample row table but no sample row with "
+                "their batch, sample_id together, first [{'batch': 0, 'sample_id': 10}, {'batch': 1, 'sample_id': 0}, "
+                "{'batch': 1, 'sample_id': 1}]")
+    (whole,) = open_store(path).verify()
+    assert whole.startswith(want), whole
+    joined, parts = [], []
+    join, read_part = pyarrow.acero._perform_join, reader.read_parquet_part
+
+    def recording_join(join_type, left, left_keys, right, *args, **kw):
+        joined.append(left.num_rows)
+        return join(join_type, left, left_keys, right, *args, **kw)
+
+    def recording_read(raw, backend, key, *args, **kw):
+        parts.append(key)
+        return read_part(raw, backend, key, *args, **kw)
+
+    monkeypatch.setattr(V, "PAIRING_ROWS", 3)
+    monkeypatch.setattr(pyarrow.acero, "_perform_join", recording_join)
+    monkeypatch.setattr(reader, "read_parquet_part", recording_read)
+    assert open_store(path).verify() == [whole]
+    assert joined and max(joined) <= 3
+    assert parts and len(parts) == len(set(parts))
