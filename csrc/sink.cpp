@@ -548,8 +548,12 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
             "exclude= its module");
 }
 
-void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
+void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
   at::AutoGradMode no_grad(false);
+  // A ZeroTensor (torch._efficientzerotensor, as autograd makes for gradients known to be zero)
+  // reads as zeros but has no bytes: its data pointer is null, so a copy, a store write or a
+  // byte comparison of its memory would read address 0. Its values are made a tensor of their own.
+  const at::Tensor x_in = x_arg._is_zerotensor() ? at::zeros(x_arg.sizes(), x_arg.options()) : x_arg;
   // A record kept by reference must not hold the autograd graph: detach it (a REFERENCE
   // record of its storage alone holds none). Copies made under no-grad never record a graph,
   // so the snapshot path skips the detach.

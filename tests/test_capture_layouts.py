@@ -265,3 +265,73 @@ def test_a_later_complex_activation_with_a_real_storage_dtype_raises(tmp_path):
                 model(x)
     store = acs.open_store(tmp_path / "c.zarr")
     assert store.n_rows("1.output") == 2 and torch.equal(store["1.output"], model[0](x))
+
+
+# ------------------------------------------------- zero tensors: values without bytes
+
+_ZERO_TENSOR_SCRIPT = r"""
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import torch
+import activationscope as acs
+from acs_testing import plain_hooks
+
+class Zeros(torch.nn.Module):
+    # a ZeroTensor (what autograd makes for gradients known to be zero): zeros, data pointer null
+    def forward(self, x):
+        return torch._efficientzerotensor(x.shape[0], 3, dtype=x.dtype)
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), Zeros(), torch.nn.Identity())
+
+xs = [torch.randn(2, 3), torch.randn(4, 3)]
+m = model()
+want, _ = plain_hooks(m, lambda: [m(x) for x in xs])
+assert all(not t._is_zerotensor() and not t.any() for t in want["1.output"])
+setups = {{
+    "snapshot": {{}},
+    "reference": {{"capture_mode": acs.CaptureMode.REFERENCE}},
+    "reductions": {{"reductions": ["mean", "var", "max"]}},
+    "store": {{"store": {store!r} + "/a.zarr", "reductions": ["mean", "var"]}},
+    "store_cast": {{"store": {store!r} + "/b.zarr", "storage_dtype": torch.bfloat16}},
+    "inference": {{"reductions": ["mean"]}},
+}}
+for setup, kw in setups.items():
+    m = model()
+    grad = torch.inference_mode() if setup == "inference" else torch.no_grad()
+    with grad, acs.ActivationScope(**kw).track(m) as tracker:
+        for x in xs:
+            m(x)
+    for hp in ("0.output", "1.output", "2.output"):
+        rows = torch.cat(want[hp])
+        if "store" in kw:
+            store = acs.open_store(kw["store"])
+            got = store[hp][:]
+            rows = rows.to(got.dtype) if "storage_dtype" in kw else rows
+            assert got.dtype == rows.dtype and torch.equal(got, rows), (setup, hp)
+            red = store.reductions
+        else:
+            got = tracker.activations[hp]
+            assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want[hp])), (setup, hp)
+            red = tracker.reductions
+        for kind in kw.get("reductions", []):
+            ref = {{"mean": rows.double().mean(0), "var": rows.double().var(0, correction=0),
+                    "max": rows.double().amax(0)}}[kind]
+            torch.testing.assert_close(red[hp][kind].double(), ref, rtol=1e-12, atol=1e-12)
+print("ok")
+"""
+
+
+def test_zero_tensor_activations_are_captured_as_zeros(tmp_path):
+    """A ZeroTensor (torch._efficientzerotensor, as autograd makes for gradients known to be
+    zero) has values, zeros, but a null data pointer: the native copy into a record, into a
+    store or for the bytes check read address 0 and the process died (SIGSEGV). Its records,
+    stored rows and reductions are now those of zeros, as plain forward hooks see them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _ZERO_TENSOR_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-2000:])
