@@ -355,7 +355,12 @@ void Sink::check_layout(const at::Tensor& x) const {
       {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
   const bool functorch = x.key_set().has_any(kFuncTorch);
   const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes) return;
+  // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
+  // torch has no conversion of them to storage_dtype
+  const bool uncastable = options_.storage_dtype && !quantized && !x.is_complex() &&
+                          x.scalar_type() != *options_.storage_dtype && !has_real_numbers(x.scalar_type());
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
+    return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
   // message: ActivationScope._check_layout).
@@ -372,6 +377,9 @@ void Sink::check_layout(const at::Tensor& x) const {
               " is real: the cast would drop the imaginary part; drop storage_dtype or exclude= the module of '",
               name_, "'");
   }
+  ACS_CHECK(!uncastable, "hook point '", name_, "' is ", dtype_name(x.scalar_type()), " in its call ", n_calls_ + 1,
+            ", which storage_dtype=", dtype_name(*options_.storage_dtype), " cannot cast: torch keeps it as bits, ",
+            "with no arithmetic or conversion; drop storage_dtype or exclude= the module of '", name_, "'");
   if (!copied && !stored && !reduced) return;  // kept by reference as it is
   std::string what, convert;
   if (quantized) {
@@ -986,13 +994,17 @@ void Sink::run_reductions(const at::Tensor& rows) {
   } catch (const StoreIOError&) {
     throw;
   } catch (const UserError& e) {
-    // complex rows refused by a built-in reduction: the fix is to give it no reductions
-    const bool complex_refused =
-        rows.is_complex() && std::string(e.what()).find("needs real-valued rows") != std::string::npos;
-    throw UserError(c10::str("hook point '", name_, "': ", e.what(),
-                             complex_refused
-                                 ? c10::str(" (", dtype_name(rows.scalar_type()),
-                                            "); built-in reductions take real rows: give reductions= as a dict of "
+    // complex rows, or rows of bits (bits8, uint4, float4_e2m1fn_x2), refused by a built-in
+    // reduction: the fix is to give it no reductions
+    const std::string what = e.what();
+    const bool complex_refused = rows.is_complex() && what.find("needs real-valued rows") != std::string::npos;
+    const bool bits_refused = !has_real_numbers(rows.scalar_type()) && !rows.is_complex() &&
+                              what.find("needs rows of numbers") != std::string::npos;
+    throw UserError(c10::str("hook point '", name_, "': ", what,
+                             complex_refused || bits_refused
+                                 ? c10::str(" (", dtype_name(rows.scalar_type()), "); built-in reductions take ",
+                                            complex_refused ? "real rows" : "rows of numbers",
+                                            ": give reductions= as a dict of "
                                             "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
                                             "exclude= its module")
                                  : std::string()));
