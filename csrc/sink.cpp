@@ -401,8 +401,12 @@ void Sink::check_layout(const at::Tensor& x) const {
   }
   std::string uses;
   using Use = std::pair<bool, const char*>;
-  for (auto [on, use] : {Use{copied, "copied (CaptureMode.SNAPSHOT)"}, Use{stored, "stored"},
-                         Use{reduced, "reduced"}}) {
+  // (REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
+  for (auto [on, use] : {Use{options_.snapshot, "copied (CaptureMode.SNAPSHOT)"},
+                         Use{copied && !options_.snapshot,
+                             "copied (an inference tensor, made under torch.inference_mode(), which "
+                             "CaptureMode.REFERENCE copies)"},
+                         Use{stored, "stored"}, Use{reduced, "reduced"}}) {
     if (!on) continue;
     if (!uses.empty()) uses += " or ";
     uses += use;
@@ -414,7 +418,8 @@ void Sink::check_layout(const at::Tensor& x) const {
             ", which cannot be ", uses,
             ": a capture records dense strided tensors with values. ", exclude,
             " (or give the capture a dense tensor: ", convert, "); an in-memory capture with ",
-            "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is");
+            "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a forward under "
+            "torch.no_grad() (not torch.inference_mode())");
 }
 
 namespace {

@@ -134,6 +134,33 @@ def test_reference_keeps_the_tensor_when_reductions_are_for_other_hook_points(ki
         torch.testing.assert_close(tr.reductions["0.output"]["mean"], first.double().mean(0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_reference_under_inference_mode_names_the_copy_and_the_fix_that_works(kind, later):
+    """Under torch.inference_mode() REFERENCE copies (an inference tensor has no version
+    counter), so such a tensor is refused there too; the message said 'cannot be copied
+    (CaptureMode.SNAPSHOT)' and offered REFERENCE without reductions as the fix, which the
+    capture already was. It now names the inference tensor and torch.no_grad(), under which
+    the same capture keeps the tensor."""
+    model = _later_model(kind) if later else _model(kind)
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    call = 2 if later else 1
+    with pytest.raises(acs.CaptureError, match=rf"hook point '1\.output' is .*{KINDS[kind]}.*cannot be copied \(an "
+                                               r"inference tensor, made under torch\.inference_mode\(\).*"
+                                               r"REFERENCE and no reductions keeps such a tensor as it is, in a "
+                                               r"forward under torch\.no_grad\(\)"):
+        with torch.inference_mode(), scope.track(model, include=["1"]):
+            for _ in range(call):
+                model(torch.randn(2, 3))
+    if later:
+        model[1].n_calls = 0
+    with torch.no_grad(), scope.track(model, include=["1"]) as tr:  # the fix it names
+        for _ in range(call):
+            out = model(torch.randn(2, 3))
+    record = tr.activations["1.output"][-1]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
 # ------------------------------------------------- dense first, sparse / nested / meta later
 
 

@@ -2594,9 +2594,11 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference() or \
-                self.scope.storage_dtype is not None:
+        if self.scope.capture_mode is CaptureMode.SNAPSHOT or self.scope.storage_dtype is not None:
             uses.append("copied (CaptureMode.SNAPSHOT)")
+        elif tensor.is_inference():  # (no version counter to tell later changes by: REFERENCE copies it)
+            uses.append("copied (an inference tensor, made under torch.inference_mode(), which CaptureMode.REFERENCE "
+                        "copies)")
         if self.writer is not None:
             uses.append("stored")
         red = self._red_factories
@@ -2609,7 +2611,8 @@ class Tracker:
             f"hook point {name!r} is {what}, shape {tuple(tensor.shape) if not tensor.is_nested else '(nested)'}, "
             f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
             f"Pass exclude=[{module!r}] to track() (or give the capture a dense tensor: {convert}); an in-memory "
-            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is"
+            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a "
+            "forward under torch.no_grad() (not torch.inference_mode())"
         )
 
     def _cast_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
