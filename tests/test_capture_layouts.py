@@ -362,3 +362,31 @@ def test_zero_tensor_activations_are_captured_as_zeros(tmp_path):
     script = _ZERO_TENSOR_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+def test_a_forward_under_fake_tensor_mode_is_refused_naming_fake_tensors():
+    """A forward under FakeTensorMode gives FakeTensors: shapes without values. The refusal
+    called them wrappers whose 'values are computed by its Python code' and asked for 'a plain
+    torch.Tensor of its values', which they do not have; it now names FakeTensorMode and the
+    fix (the forward outside it). REFERENCE in memory keeps them, as for other such tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with pytest.raises(acs.CaptureError, match=r"hook point '0\.output' is a FakeTensor \(a shape without values, made "
+                                               r"under torch\._subclasses\.FakeTensorMode\), shape \(2, 3\).*the forward "
+                                               r"run outside FakeTensorMode"):
+        with torch.no_grad(), acs.ActivationScope().track(model):
+            with mode:
+                model(torch.randn(2, 3))
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    with torch.no_grad(), scope.track(model) as tracker:
+        with mode:
+            out = model(torch.randn(2, 3))
+    record = tracker.activations["1.output"][0]
+    assert isinstance(record, FakeTensor) and record.shape == out.shape == (2, 3)
+    x = torch.randn(2, 3)  # the fix it names: the same capture outside the mode records the values
+    with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+        model(x)
+    assert torch.equal(tracker.activations["1.output"][0], model(x).detach())

@@ -2587,6 +2587,9 @@ class Tracker:
             what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
         elif tensor.is_quantized:
             what, convert = f"a quantized tensor ({tensor.dtype})", "x.dequantize()"
+        elif _is_fake(tensor):  # (no values at all: a forward traced under FakeTensorMode)
+            what = "a FakeTensor (a shape without values, made under torch._subclasses.FakeTensorMode)"
+            convert = "the forward run outside FakeTensorMode, on real tensors"
         elif _has_no_bytes(tensor):
             what = ("a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed "
                     f"by its Python code; {type(tensor).__qualname__})")
@@ -4431,6 +4434,14 @@ _NN_SOURCE_INPUTS = ("src", "src_key_padding_mask", "memory_key_padding_mask")
 
 _NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
 _NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a FakeTensor (``torch._subclasses.fake_tensor``: what a forward
+    under ``FakeTensorMode`` makes, as torch.compile and torch.export trace with): a shape and
+    a device, no values."""
+    fake = getattr(getattr(torch, "_subclasses", None), "fake_tensor", None)
+    return fake is not None and isinstance(tensor, fake.FakeTensor)
 
 
 def _has_no_bytes(tensor: torch.Tensor) -> bool:
