@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 
@@ -52,7 +53,12 @@ std::string dtype_name(at::ScalarType t) {
     case at::kQInt8: return "torch.qint8";
     case at::kQUInt8: return "torch.quint8";
     case at::kQInt32: return "torch.qint32";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kComplexHalf: return "torch.complex32";
+    default: {  // c10's name in Python's spelling: Float8_e4m3fn -> float8_e4m3fn, Bits8 -> bits8, UInt4 -> uint4
+      std::string name = c10::toString(t);
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
   }
 }
 

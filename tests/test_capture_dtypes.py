@@ -176,3 +176,37 @@ def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, de
             first = m[0](x).to(torch.bfloat16)
         got = open_store(path)["1.output"][:] if in_store else tracker.activations["1.output"][0]
         assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("case", ["float8-in-a-store", "complex32-reduced"])
+def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
+    """The native refusals wrote dtypes outside the common ones by c10's names
+    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch; they now
+    write what a user types (torch.float8_e4m3fn, torch.complex32)."""
+    dtype = torch.float8_e4m3fn if case.startswith("float8") else torch.complex32
+    assert getattr(torch, str(dtype)[len("torch."):]) is dtype
+    torch.manual_seed(0)
+    if case.startswith("float8"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls=1))
+        scope = ActivationScope(store=tmp_path / "s.zarr")
+        said = r"hook point '1\.output' changed its dtype from torch\.float32 to torch\.float8_e4m3fn"
+    else:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype))
+        scope = ActivationScope(reductions=["mean"])
+        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows.*\(torch\.complex32\)"
+    with pytest.raises(CaptureError, match=said):
+        with torch.no_grad(), scope.track(m):
+            for _ in range(2):
+                m(torch.randn(3, 4))
+
+
+class _AsDtype(torch.nn.Module):
+    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)``."""
+
+    def __init__(self, dtype, dense_calls: int = 0):
+        super().__init__()
+        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * 1 if self.calls <= self.dense_calls else x.to(self.dtype)
