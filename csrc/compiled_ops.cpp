@@ -10,6 +10,9 @@
 // a fake implementation (capture/compiled.py) for tracing: on fake tensors nothing is
 // captured. `wrapper` is the key of the ForwardWrapper (a string, so that the compiler
 // keeps it a constant); a wrapper that is gone (its tracker detached) makes them no-ops.
+// `complex_leaves`: the positions in `leaves` of complex tensors the traced call passed as
+// torch.view_as_real(x) (inductor cannot lower a mutating op given complex tensors: "auto_functionalized_v2
+// was not removed"); they are viewed as complex again here, before anything is captured.
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -48,31 +51,51 @@ void with_gil(F&& fn) {
   }
 }
 
+// `leaves` with those at `complex_leaves` (real (..., 2) views of complex tensors) viewed as
+// complex again: the values the model computed, in their dtype.
+std::vector<at::Tensor> as_captured(at::TensorList leaves, at::IntArrayRef complex_leaves) {
+  std::vector<at::Tensor> out(leaves.begin(), leaves.end());
+  for (const int64_t i : complex_leaves) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(out.size()), "activationscope call op: complex leaf ", i,
+                " of ", out.size(), " leaves");
+    at::Tensor r = out[static_cast<size_t>(i)];
+    bool viewable = r.dim() >= 1 && r.size(-1) == 2 && r.stride(-1) == 1 && r.storage_offset() % 2 == 0;
+    for (int64_t d = 0; viewable && d + 1 < r.dim(); ++d) viewable = r.stride(d) % 2 == 0;
+    out[static_cast<size_t>(i)] = at::view_as_complex(viewable ? r : r.contiguous());
+  }
+  return out;
+}
+
 void call_begin(const at::Tensor& /*token*/, c10::string_view wrapper, at::TensorList leaves,
-                const std::vector<std::string>& names, const std::optional<at::Tensor>& first) {
+                const std::vector<std::string>& names, const std::optional<at::Tensor>& first,
+                at::IntArrayRef complex_leaves) {
   const int64_t key = parse_key(wrapper);
+  const std::vector<at::Tensor> captured = as_captured(leaves, complex_leaves);
   with_gil([&] {
-    if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_begin(leaves, names, first ? *first : at::Tensor());
+    if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_begin(captured, names, first ? *first : at::Tensor());
   });
 }
 
 void call_end(const at::Tensor& /*token*/, c10::string_view wrapper, at::TensorList leaves,
-              const std::vector<std::string>& names) {
+              const std::vector<std::string>& names, at::IntArrayRef complex_leaves) {
   const int64_t key = parse_key(wrapper);
+  const std::vector<at::Tensor> captured = as_captured(leaves, complex_leaves);
   with_gil([&] {
-    if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_end(leaves, names);
+    if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_end(captured, names);
   });
 }
 
 void call_begin_meta(const at::Tensor&, c10::string_view, at::TensorList, const std::vector<std::string>&,
-                     const std::optional<at::Tensor>&) {}
-void call_end_meta(const at::Tensor&, c10::string_view, at::TensorList, const std::vector<std::string>&) {}
+                     const std::optional<at::Tensor>&, at::IntArrayRef) {}
+void call_end_meta(const at::Tensor&, c10::string_view, at::TensorList, const std::vector<std::string>&,
+                   at::IntArrayRef) {}
 
 }  // namespace
 
 TORCH_LIBRARY(activationscope, m) {
-  m.def("call_begin(Tensor(a!) token, str wrapper, Tensor[] leaves, str[] names, Tensor? first) -> ()");
-  m.def("call_end(Tensor(a!) token, str wrapper, Tensor[] leaves, str[] names) -> ()");
+  m.def("call_begin(Tensor(a!) token, str wrapper, Tensor[] leaves, str[] names, Tensor? first, "
+        "int[] complex_leaves=[]) -> ()");
+  m.def("call_end(Tensor(a!) token, str wrapper, Tensor[] leaves, str[] names, int[] complex_leaves=[]) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(activationscope, CompositeExplicitAutograd, m) {

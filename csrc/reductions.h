@@ -17,6 +17,14 @@ namespace acs {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// Whether torch converts values of dtype `t` to float64 (what a built-in reduction reads):
+// bool, integers, floating point. Not complex, and not the dtypes torch stores without any
+// arithmetic or conversion (bits8 ... bits1x8, uint1 ... uint7, int1 ... int7, the packed
+// float4_e2m1fn_x2), whose `.to(torch.float64)` raises NotImplementedError.
+inline bool has_real_numbers(at::ScalarType t) {
+  return at::isIntegralType(t, /*includeBool=*/true) || (at::isFloatingType(t) && t != at::kFloat4_e2m1fn_x2);
+}
+
 // Options of a reduction; keys depend on the kind (documented in reductions_builtin.cpp /
 // activationscope/reductions.py): e.g. "per_feature" (0/1), "bins", "lo", "hi", "k".
 using ReductionOptions = std::map<std::string, double>;

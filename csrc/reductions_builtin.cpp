@@ -196,6 +196,9 @@ class Builtin : public Reduction {
     ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
     ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
               "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+    ACS_CHECK(has_real_numbers(rows_in.scalar_type()), "reduction '", kind_,
+              "' needs rows of numbers torch converts to float64, got dtype ", rows_in.scalar_type(),
+              ", which torch keeps as bits without arithmetic");
     if (per_feature_ && has_feat_ && rows_in.dim() >= 1 && rows_in.size(0) > 0) {
       const auto feat = rows_in.sizes().slice(1);
       ACS_CHECK(feat == at::IntArrayRef(feat_), "reduction '", kind_,
@@ -212,6 +215,9 @@ class Builtin : public Reduction {
     ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
     ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
               "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+    ACS_CHECK(has_real_numbers(rows_in.scalar_type()), "reduction '", kind_,
+              "' needs rows of numbers torch converts to float64, got dtype ", rows_in.scalar_type(),
+              ", which torch keeps as bits without arithmetic");
     at::Tensor rows = rows_in.dim() == 0 ? rows_in.reshape({1}) : rows_in;
     const int64_t n = rows.size(0);
     if (n == 0) return;  // an empty batch is a no-op

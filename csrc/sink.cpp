@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 
@@ -52,7 +53,12 @@ std::string dtype_name(at::ScalarType t) {
     case at::kQInt8: return "torch.qint8";
     case at::kQUInt8: return "torch.quint8";
     case at::kQInt32: return "torch.qint32";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kComplexHalf: return "torch.complex32";
+    default: {  // c10's name in Python's spelling: Float8_e4m3fn -> float8_e4m3fn, Bits8 -> bits8, UInt4 -> uint4
+      std::string name = c10::toString(t);
+      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return "torch." + name;
+    }
   }
 }
 
@@ -355,7 +361,12 @@ void Sink::check_layout(const at::Tensor& x) const {
       {c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
   const bool functorch = x.key_set().has_any(kFuncTorch);
   const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes) return;
+  // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
+  // torch has no conversion of them to storage_dtype
+  const bool uncastable = options_.storage_dtype && !quantized && !x.is_complex() &&
+                          x.scalar_type() != *options_.storage_dtype && !has_real_numbers(x.scalar_type());
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
+    return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
   // message: ActivationScope._check_layout).
@@ -372,6 +383,9 @@ void Sink::check_layout(const at::Tensor& x) const {
               " is real: the cast would drop the imaginary part; drop storage_dtype or exclude= the module of '",
               name_, "'");
   }
+  ACS_CHECK(!uncastable, "hook point '", name_, "' is ", dtype_name(x.scalar_type()), " in its call ", n_calls_ + 1,
+            ", which storage_dtype=", dtype_name(*options_.storage_dtype), " cannot cast: torch keeps it as bits, ",
+            "with no arithmetic or conversion; drop storage_dtype or exclude= the module of '", name_, "'");
   if (!copied && !stored && !reduced) return;  // kept by reference as it is
   std::string what, convert;
   if (quantized) {
@@ -393,8 +407,12 @@ void Sink::check_layout(const at::Tensor& x) const {
   }
   std::string uses;
   using Use = std::pair<bool, const char*>;
-  for (auto [on, use] : {Use{copied, "copied (CaptureMode.SNAPSHOT)"}, Use{stored, "stored"},
-                         Use{reduced, "reduced"}}) {
+  // (REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
+  for (auto [on, use] : {Use{options_.snapshot, "copied (CaptureMode.SNAPSHOT)"},
+                         Use{copied && !options_.snapshot,
+                             "copied (an inference tensor, made under torch.inference_mode(), which "
+                             "CaptureMode.REFERENCE copies)"},
+                         Use{stored, "stored"}, Use{reduced, "reduced"}}) {
     if (!on) continue;
     if (!uses.empty()) uses += " or ";
     uses += use;
@@ -406,7 +424,8 @@ void Sink::check_layout(const at::Tensor& x) const {
             ", which cannot be ", uses,
             ": a capture records dense strided tensors with values. ", exclude,
             " (or give the capture a dense tensor: ", convert, "); an in-memory capture with ",
-            "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is");
+            "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a forward under "
+            "torch.no_grad() (not torch.inference_mode())");
 }
 
 namespace {
@@ -548,8 +567,12 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
             "exclude= its module");
 }
 
-void Sink::consume(const at::Tensor& x_in, const at::Tensor& token_mask) {
+void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
   at::AutoGradMode no_grad(false);
+  // A ZeroTensor (torch._efficientzerotensor, as autograd makes for gradients known to be zero)
+  // reads as zeros but has no bytes: its data pointer is null, so a copy, a store write or a
+  // byte comparison of its memory would read address 0. Its values are made a tensor of their own.
+  const at::Tensor x_in = x_arg._is_zerotensor() ? at::zeros(x_arg.sizes(), x_arg.options()) : x_arg;
   // A record kept by reference must not hold the autograd graph: detach it (a REFERENCE
   // record of its storage alone holds none). Copies made under no-grad never record a graph,
   // so the snapshot path skips the detach.
@@ -982,13 +1005,17 @@ void Sink::run_reductions(const at::Tensor& rows) {
   } catch (const StoreIOError&) {
     throw;
   } catch (const UserError& e) {
-    // complex rows refused by a built-in reduction: the fix is to give it no reductions
-    const bool complex_refused =
-        rows.is_complex() && std::string(e.what()).find("needs real-valued rows") != std::string::npos;
-    throw UserError(c10::str("hook point '", name_, "': ", e.what(),
-                             complex_refused
-                                 ? c10::str(" (", dtype_name(rows.scalar_type()),
-                                            "); built-in reductions take real rows: give reductions= as a dict of "
+    // complex rows, or rows of bits (bits8, uint4, float4_e2m1fn_x2), refused by a built-in
+    // reduction: the fix is to give it no reductions
+    const std::string what = e.what();
+    const bool complex_refused = rows.is_complex() && what.find("needs real-valued rows") != std::string::npos;
+    const bool bits_refused = !has_real_numbers(rows.scalar_type()) && !rows.is_complex() &&
+                              what.find("needs rows of numbers") != std::string::npos;
+    throw UserError(c10::str("hook point '", name_, "': ", what,
+                             complex_refused || bits_refused
+                                 ? c10::str(" (", dtype_name(rows.scalar_type()), "); built-in reductions take ",
+                                            complex_refused ? "real rows" : "rows of numbers",
+                                            ": give reductions= as a dict of "
                                             "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
                                             "exclude= its module")
                                  : std::string()));

@@ -98,3 +98,115 @@ def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_pa
         if in_store else (torch.cat(tr.activations["fft.output"]), tr.reductions["lin.output"]["mean"])
     assert got.dtype == torch.complex64 and torch.equal(got, torch.fft.fft(lin))
     torch.testing.assert_close(mean, lin.double().mean(0), rtol=1e-12, atol=1e-12)
+
+
+# dtypes torch keeps as bits, without arithmetic or conversion to float64
+_BITS = [getattr(torch, name) for name in ("bits8", "uint4", "float4_e2m1fn_x2") if hasattr(torch, name)]
+
+
+class _AsBits(torch.nn.Module):
+    """x * 1 on its first ``dense_calls`` calls, then its bytes (as uint8) viewed as ``dtype``."""
+
+    def __init__(self, dtype, dense_calls: int = 0):
+        super().__init__()
+        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls <= self.dense_calls:
+            return x * 1
+        return (x.abs() * 7).to(torch.uint8).view(self.dtype)
+
+
+@pytest.mark.parametrize("dense_calls", [0, 1], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("dtype", _BITS, ids=str)
+def test_reductions_refuse_bits_dtypes_naming_the_hook_point_and_fix(tmp_path, dtype, dense_calls):
+    """Built-in reductions of an activation torch keeps as bits (bits8, uint4, float4_e2m1fn_x2)
+    raised torch's NotImplementedError ('"copy_" not implemented for 'Bits8''), naming neither
+    the hook point nor the fix. Now a CaptureError names both; the refused forward keeps
+    nothing, and the fix (reductions= that leaves it out) keeps its bits exactly."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    with pytest.raises(CaptureError, match=r"hook point '1\.output': reduction 'mean' needs rows of numbers.*"
+                                           r"reductions= as a dict of patterns that leaves '1\.output' out.*"
+                                           r"exclude= its module"):
+        with torch.no_grad(), ActivationScope(reductions=["mean"]).track(m) as tracker:
+            for x in xs:
+                m(x)
+    with torch.no_grad():
+        first = m[0](xs[0])
+    assert len(tracker.activations["1.output"]) == dense_calls  # the refused call kept nothing
+    if dense_calls:
+        assert torch.equal(tracker.activations["1.output"][0], first)
+        torch.testing.assert_close(tracker.reductions["1.output"]["mean"], first.double().mean(0), rtol=1e-12, atol=1e-12)
+    m[1].calls = dense_calls
+    with torch.no_grad(), ActivationScope(reductions={"0.output": ["mean"]}).track(m) as tracker:
+        for x in xs:
+            m(x)
+    with torch.no_grad():
+        m[1].calls = dense_calls
+        want = [m(x) for x in xs]
+    got = tracker.activations["1.output"]
+    assert got[-1].dtype == dtype and torch.equal(got[-1].view(torch.uint8), want[-1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dense_calls", [0, 1], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+@pytest.mark.parametrize("dtype", _BITS, ids=str)
+def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, dense_calls):
+    """storage_dtype= given bits (float4_e2m1fn_x2 is a floating-point dtype to torch, and so is
+    cast; bits8 or uint4 after a floating-point first call) raised torch's NotImplementedError
+    from the cast; now a CaptureError names the hook point, the dtype and the fix."""
+    if dense_calls == 0 and not dtype.is_floating_point:
+        pytest.skip("a first call of bits is not floating-point: storage_dtype leaves it as it is")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    x = torch.randn(3, 4)
+    path = tmp_path / "s.zarr"
+    with pytest.raises(CaptureError, match=rf"hook point '1\.output' is torch\.\w+ in its call {dense_calls + 1}, "
+                                           r"which storage_dtype=torch\.bfloat16 cannot cast.*drop storage_dtype or "
+                                           r"exclude= the module of '1\.output'"):
+        with torch.no_grad(), ActivationScope(store=path if in_store else None,
+                                              storage_dtype=torch.bfloat16).track(m) as tracker:
+            for _ in range(2):
+                m(x)
+    if dense_calls:  # the forward before it is whole
+        with torch.no_grad():
+            first = m[0](x).to(torch.bfloat16)
+        got = open_store(path)["1.output"][:] if in_store else tracker.activations["1.output"][0]
+        assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("case", ["float8-in-a-store", "complex32-reduced"])
+def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
+    """The native refusals wrote dtypes outside the common ones by c10's names
+    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch; they now
+    write what a user types (torch.float8_e4m3fn, torch.complex32)."""
+    dtype = torch.float8_e4m3fn if case.startswith("float8") else torch.complex32
+    assert getattr(torch, str(dtype)[len("torch."):]) is dtype
+    torch.manual_seed(0)
+    if case.startswith("float8"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls=1))
+        scope = ActivationScope(store=tmp_path / "s.zarr")
+        said = r"hook point '1\.output' changed its dtype from torch\.float32 to torch\.float8_e4m3fn"
+    else:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype))
+        scope = ActivationScope(reductions=["mean"])
+        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows.*\(torch\.complex32\)"
+    with pytest.raises(CaptureError, match=said):
+        with torch.no_grad(), scope.track(m):
+            for _ in range(2):
+                m(torch.randn(3, 4))
+
+
+class _AsDtype(torch.nn.Module):
+    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)``."""
+
+    def __init__(self, dtype, dense_calls: int = 0):
+        super().__init__()
+        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * 1 if self.calls <= self.dense_calls else x.to(self.dtype)

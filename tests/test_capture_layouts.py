@@ -134,6 +134,33 @@ def test_reference_keeps_the_tensor_when_reductions_are_for_other_hook_points(ki
         torch.testing.assert_close(tr.reductions["0.output"]["mean"], first.double().mean(0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_reference_under_inference_mode_names_the_copy_and_the_fix_that_works(kind, later):
+    """Under torch.inference_mode() REFERENCE copies (an inference tensor has no version
+    counter), so such a tensor is refused there too; the message said 'cannot be copied
+    (CaptureMode.SNAPSHOT)' and offered REFERENCE without reductions as the fix, which the
+    capture already was. It now names the inference tensor and torch.no_grad(), under which
+    the same capture keeps the tensor."""
+    model = _later_model(kind) if later else _model(kind)
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    call = 2 if later else 1
+    with pytest.raises(acs.CaptureError, match=rf"hook point '1\.output' is .*{KINDS[kind]}.*cannot be copied \(an "
+                                               r"inference tensor, made under torch\.inference_mode\(\).*"
+                                               r"REFERENCE and no reductions keeps such a tensor as it is, in a "
+                                               r"forward under torch\.no_grad\(\)"):
+        with torch.inference_mode(), scope.track(model, include=["1"]):
+            for _ in range(call):
+                model(torch.randn(2, 3))
+    if later:
+        model[1].n_calls = 0
+    with torch.no_grad(), scope.track(model, include=["1"]) as tr:  # the fix it names
+        for _ in range(call):
+            out = model(torch.randn(2, 3))
+    record = tr.activations["1.output"][-1]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
 # ------------------------------------------------- dense first, sparse / nested / meta later
 
 
@@ -265,3 +292,101 @@ def test_a_later_complex_activation_with_a_real_storage_dtype_raises(tmp_path):
                 model(x)
     store = acs.open_store(tmp_path / "c.zarr")
     assert store.n_rows("1.output") == 2 and torch.equal(store["1.output"], model[0](x))
+
+
+# ------------------------------------------------- zero tensors: values without bytes
+
+_ZERO_TENSOR_SCRIPT = r"""
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import torch
+import activationscope as acs
+from acs_testing import plain_hooks
+
+class Zeros(torch.nn.Module):
+    # a ZeroTensor (what autograd makes for gradients known to be zero): zeros, data pointer null
+    def forward(self, x):
+        return torch._efficientzerotensor(x.shape[0], 3, dtype=x.dtype)
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), Zeros(), torch.nn.Identity())
+
+xs = [torch.randn(2, 3), torch.randn(4, 3)]
+m = model()
+want, _ = plain_hooks(m, lambda: [m(x) for x in xs])
+assert all(not t._is_zerotensor() and not t.any() for t in want["1.output"])
+setups = {{
+    "snapshot": {{}},
+    "reference": {{"capture_mode": acs.CaptureMode.REFERENCE}},
+    "reductions": {{"reductions": ["mean", "var", "max"]}},
+    "store": {{"store": {store!r} + "/a.zarr", "reductions": ["mean", "var"]}},
+    "store_cast": {{"store": {store!r} + "/b.zarr", "storage_dtype": torch.bfloat16}},
+    "inference": {{"reductions": ["mean"]}},
+}}
+for setup, kw in setups.items():
+    m = model()
+    grad = torch.inference_mode() if setup == "inference" else torch.no_grad()
+    with grad, acs.ActivationScope(**kw).track(m) as tracker:
+        for x in xs:
+            m(x)
+    for hp in ("0.output", "1.output", "2.output"):
+        rows = torch.cat(want[hp])
+        if "store" in kw:
+            store = acs.open_store(kw["store"])
+            got = store[hp][:]
+            rows = rows.to(got.dtype) if "storage_dtype" in kw else rows
+            assert got.dtype == rows.dtype and torch.equal(got, rows), (setup, hp)
+            red = store.reductions
+        else:
+            got = tracker.activations[hp]
+            assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want[hp])), (setup, hp)
+            red = tracker.reductions
+        for kind in kw.get("reductions", []):
+            ref = {{"mean": rows.double().mean(0), "var": rows.double().var(0, correction=0),
+                    "max": rows.double().amax(0)}}[kind]
+            torch.testing.assert_close(red[hp][kind].double(), ref, rtol=1e-12, atol=1e-12)
+print("ok")
+"""
+
+
+def test_zero_tensor_activations_are_captured_as_zeros(tmp_path):
+    """A ZeroTensor (torch._efficientzerotensor, as autograd makes for gradients known to be
+    zero) has values, zeros, but a null data pointer: the native copy into a record, into a
+    store or for the bytes check read address 0 and the process died (SIGSEGV). Its records,
+    stored rows and reductions are now those of zeros, as plain forward hooks see them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _ZERO_TENSOR_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+def test_a_forward_under_fake_tensor_mode_is_refused_naming_fake_tensors():
+    """A forward under FakeTensorMode gives FakeTensors: shapes without values. The refusal
+    called them wrappers whose 'values are computed by its Python code' and asked for 'a plain
+    torch.Tensor of its values', which they do not have; it now names FakeTensorMode and the
+    fix (the forward outside it). REFERENCE in memory keeps them, as for other such tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with pytest.raises(acs.CaptureError, match=r"hook point '0\.output' is a FakeTensor \(a shape without values, made "
+                                               r"under torch\._subclasses\.FakeTensorMode\), shape \(2, 3\).*the forward "
+                                               r"run outside FakeTensorMode"):
+        with torch.no_grad(), acs.ActivationScope().track(model):
+            with mode:
+                model(torch.randn(2, 3))
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    with torch.no_grad(), scope.track(model) as tracker:
+        with mode:
+            out = model(torch.randn(2, 3))
+    record = tracker.activations["1.output"][0]
+    assert isinstance(record, FakeTensor) and record.shape == out.shape == (2, 3)
+    x = torch.randn(2, 3)  # the fix it names: the same capture outside the mode records the values
+    with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
+        model(x)
+    assert torch.equal(tracker.activations["1.output"][0], model(x).detach())

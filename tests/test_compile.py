@@ -207,6 +207,56 @@ def test_snapshot_into_a_store_equals_plain_hooks(tmp_path, inductor):
         torch.testing.assert_close(tracker.reductions[name]["mean"], mean, rtol=1e-4, atol=1e-5)
 
 
+class Spectral(torch.nn.Module):
+    """Complex activations: a complex output, a conjugate view of it, and a complex input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 6)
+        self.to_complex = _Lambda(lambda h: torch.complex(h, h * 2))
+        self.conj = _Lambda(lambda z: z.conj())
+        self.mag = _Lambda(lambda z: z.real * z.imag)
+
+    def forward(self, x):
+        return self.mag(self.conj(self.to_complex(self.fc(x))))
+
+
+class _Lambda(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "reference", "store"])
+def test_complex_activations_compile_with_inductor(tmp_path, mode, inductor):
+    """A tracked module returning (or, with capture="both", taking) a complex tensor made
+    inductor fail to compile the model ("auto_functionalized_v2 was not removed": it cannot
+    lower the capture ops given complex tensors), where the untracked model compiled. The ops
+    now take their real views and the capture views them as complex again: the records, the
+    stored rows and the model's output equal the eager model's."""
+    model = Spectral()
+    xs = [torch.randn(b, 6) for b in (4, 4)]
+    names = ["fc", "to_complex", "conj", "mag"]
+    ref, eager = plain_hooks(model, lambda: [model(x) for x in xs], names, side="both")
+    torch._dynamo.reset()
+    kw = {"store": tmp_path / "s.zarr"} if mode == "store" else \
+        {"capture_mode": CaptureMode.REFERENCE} if mode == "reference" else {}
+    with ActivationScope(capture="both", **kw).track(model) as tracker, torch.no_grad():
+        compiled = torch.compile(model)
+        outs = [compiled(x) for x in xs]
+    for out, want in zip(outs, eager):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert ref["conj.output"][0].is_complex() and ref["conj.input.0"][0].is_complex()
+    for name, recs in ref.items():
+        got = open_store(tmp_path / "s.zarr")[name][:] if mode == "store" else torch.cat(tracker.activations[name])
+        assert got.dtype == recs[0].dtype, name
+        torch.testing.assert_close(got, torch.cat(recs), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_reference_mode_keeps_copies_the_graph_cannot_overwrite(inductor):
     model, make_x = make("mlp")
     xs = [make_x(b) for b in (4, 4, 4, 6)]

@@ -264,14 +264,29 @@ def traced_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         for kw, arg in kwargs.items():
             leaves(arg, "input.kw." + kw, names, tensors)
     first = first_input(args, kwargs, self._acs_kw_order) if root else None
-    torch.ops.activationscope.call_begin(_TOKEN, key, tensors, names, first)
+    tensors, complex_leaves = _real_views(tensors)
+    torch.ops.activationscope.call_begin(_TOKEN, key, tensors, names, first, complex_leaves)
     out = self.__wrapped__(*args, **kwargs)
     names = []
     tensors = []
     if capture_out:
         leaves(out, "output", names, tensors)
-    torch.ops.activationscope.call_end(_TOKEN, key, tensors, names)
+    tensors, complex_leaves = _real_views(tensors)
+    torch.ops.activationscope.call_end(_TOKEN, key, tensors, names, complex_leaves)
     return out
+
+
+def _real_views(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """``tensors`` with each complex one as ``torch.view_as_real`` of it, and their positions:
+    inductor cannot lower the call ops given complex tensors ("auto_functionalized_v2 was not
+    removed"); the ops view them as complex again (csrc/compiled_ops.cpp)."""
+    at = [i for i, t in enumerate(tensors) if t.is_complex()]
+    if not at:
+        return tensors, at
+    tensors = list(tensors)
+    for i in at:
+        tensors[i] = torch.view_as_real(tensors[i].resolve_conj().resolve_neg())
+    return tensors, at
 
 
 def warn_eager(paths: list[str]) -> None:
@@ -287,11 +302,11 @@ def warn_eager(paths: list[str]) -> None:
     )
 
 
-def _fake_call_begin(token, wrapper, leaves, names, first) -> None:  # noqa: ANN001
+def _fake_call_begin(token, wrapper, leaves, names, first, complex_leaves=()) -> None:  # noqa: ANN001
     return None
 
 
-def _fake_call_end(token, wrapper, leaves, names) -> None:  # noqa: ANN001
+def _fake_call_end(token, wrapper, leaves, names, complex_leaves=()) -> None:  # noqa: ANN001
     return None
 
 

@@ -2587,6 +2587,9 @@ class Tracker:
             what, convert = "on the meta device (it has a shape but no values)", "a model on a real device"
         elif tensor.is_quantized:
             what, convert = f"a quantized tensor ({tensor.dtype})", "x.dequantize()"
+        elif _is_fake(tensor):  # (no values at all: a forward traced under FakeTensorMode)
+            what = "a FakeTensor (a shape without values, made under torch._subclasses.FakeTensorMode)"
+            convert = "the forward run outside FakeTensorMode, on real tensors"
         elif _has_no_bytes(tensor):
             what = ("a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed "
                     f"by its Python code; {type(tensor).__qualname__})")
@@ -2594,9 +2597,11 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.capture_mode is CaptureMode.SNAPSHOT or tensor.is_inference() or \
-                self.scope.storage_dtype is not None:
+        if self.scope.capture_mode is CaptureMode.SNAPSHOT or self.scope.storage_dtype is not None:
             uses.append("copied (CaptureMode.SNAPSHOT)")
+        elif tensor.is_inference():  # (no version counter to tell later changes by: REFERENCE copies it)
+            uses.append("copied (an inference tensor, made under torch.inference_mode(), which CaptureMode.REFERENCE "
+                        "copies)")
         if self.writer is not None:
             uses.append("stored")
         red = self._red_factories
@@ -2609,7 +2614,8 @@ class Tracker:
             f"hook point {name!r} is {what}, shape {tuple(tensor.shape) if not tensor.is_nested else '(nested)'}, "
             f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
             f"Pass exclude=[{module!r}] to track() (or give the capture a dense tensor: {convert}); an in-memory "
-            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is"
+            "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a "
+            "forward under torch.no_grad() (not torch.inference_mode())"
         )
 
     def _cast_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
@@ -4428,6 +4434,14 @@ _NN_SOURCE_INPUTS = ("src", "src_key_padding_mask", "memory_key_padding_mask")
 
 _NN_ENCODERS = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer)
 _NN_DECODERS = (torch.nn.TransformerDecoder, torch.nn.TransformerDecoderLayer)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a FakeTensor (``torch._subclasses.fake_tensor``: what a forward
+    under ``FakeTensorMode`` makes, as torch.compile and torch.export trace with): a shape and
+    a device, no values."""
+    fake = getattr(getattr(torch, "_subclasses", None), "fake_tensor", None)
+    return fake is not None and isinstance(tensor, fake.FakeTensor)
 
 
 def _has_no_bytes(tensor: torch.Tensor) -> bool:
