@@ -90,6 +90,24 @@ _MAP_BUDGET: int | None = None
 _MIN_MAP_BUDGET = 1024
 
 
+def _available_memory_bytes() -> int | None:
+    """The memory the system can give this process without swapping, in bytes
+    (``MemAvailable`` of ``/proc/meminfo``); None where it cannot be read (no check then)."""
+    try:  # (Linux)
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+#: The share of :func:`_available_memory_bytes` one copy made by ``store[...]`` may take: a larger
+#: copy raises instead of being killed by the kernel's out-of-memory killer half way through.
+_COPY_MEMORY_SHARE = 0.9
+
+
 def _default_map_budget() -> int:
     """Half of the process's limit of memory mappings (``vm.max_map_count``, 65530 where it
     cannot be read) less the mappings it holds now, at least ``_MIN_MAP_BUDGET``."""
@@ -1102,6 +1120,9 @@ class Store:
             ints; a TypeError.
         ArgumentValueError
             The slice's step is 0; a ValueError.
+        StoreError
+            The read is a copy (not a view) of more bytes than 90% of the memory the system
+            has available (``MemAvailable``): read it in slices or through ``ActivationDataset``.
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
@@ -1123,6 +1144,7 @@ class Store:
         r = range(start, stop, step)
         if len(r) == 0:
             return self._read_rows(hook_point, 0, 0)
+        self._refuse_copy_past_memory(hook_point, r)
         if step == 1:
             return self._read_rows(hook_point, start, stop)
         lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
@@ -1141,6 +1163,44 @@ class Store:
             part = asc[i : i + per]
             out[i : i + len(part)] = self._read_rows(hook_point, part[0], part[-1] + 1)[::k]
         return out if step > 0 else out.flip(0)
+
+    def _refuse_copy_past_memory(self, hook_point: str, r: range) -> None:
+        """Raise before ``store[...]`` copies rows ``r`` of ``hook_point`` into more memory than
+        the system has available (``_COPY_MEMORY_SHARE`` of ``MemAvailable``): such a copy is
+        killed by the out-of-memory killer, not refused. A read that is a view copies nothing."""
+        available = _available_memory_bytes()
+        if available is None:
+            return
+        nbytes = len(r) * V.row_bytes(self._meta(hook_point))
+        if nbytes <= _COPY_MEMORY_SHARE * available:
+            return
+        lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
+        if r.step > 0 and self._span_is_view(hook_point, lo, hi):
+            return
+        meta = self._meta(hook_point)
+        n = int(meta["n_rows"])
+        why = ("its array is compressed or not local, so each read decodes a copy"
+               if self._parts or not self._mappable(meta) else
+               f"its {-(-n // max(1, int(meta['shard_rows'])))} shards (of {self._total_shards_now()} in the store) "
+               f"cannot be mapped as one view within the process's budget of {self._budget()} memory mappings "
+               "(reader._MAP_BUDGET, half of vm.max_map_count)")
+        raise StoreError(
+            f"store[{hook_point!r}{'' if (r.start, r.stop, r.step) == (0, n, 1) else ', rows'}] would copy "
+            f"{len(r)} rows ({nbytes} bytes) into memory, more than the {available} bytes available (MemAvailable): "
+            f"{why}. Read it in slices, store[{hook_point!r}, a:b], or through ActivationDataset(store, "
+            f"hook_points={hook_point!r}) in batches; for a view of every row, capture with fewer, larger shards "
+            "(store_options={'shard_bytes': ...}) or raise vm.max_map_count")
+
+    def _total_shards_now(self) -> int:
+        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts)."""
+        n = 0
+        for m in (self._attrs.get("arrays") or {}).values():
+            if isinstance(m, dict) and m.get("compression") is None:
+                try:
+                    n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
+                except (KeyError, TypeError, ValueError):
+                    pass
+        return n
 
     def _span_is_view(self, hook_point: str, lo: int, hi: int) -> bool:
         """Whether rows ``[lo, hi)`` read as a view of mapped memory (no copy)."""
