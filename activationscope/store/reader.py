@@ -3022,7 +3022,7 @@ class Store:
 
     # ------------------------------------------------------------------ row tables
     def row_table(self, kind: str = "sample", columns: Sequence[str] | None = None, *,
-                  _schemas: list | None = None) -> Any:
+                  _schemas: list | None = None, _decode_all: bool = False) -> Any:
         """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
@@ -3091,14 +3091,23 @@ class Store:
             if columns is not None:  # every column's type, as the whole table's read checks them
                 check_rank_column_types(full, ranks, stores, kind)
             table = concat_rank_tables(tables, ranks, stores, kind)
+            if _schemas is not None:  # (the types agree: checked above, or by the concatenation)
+                try:
+                    _schemas.append(pa.unify_schemas(full, promote_options="default"))
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    pass
             return table if columns is None else table.select([c for c in columns if c in table.column_names])
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
-        table = self._row_table_of(kind, info, read, _schemas)
+        # (_decode_all: every column of each part decoded, as a whole read does, those not asked for dropped)
+        table = self._row_table_of(kind, info, None if _decode_all else read, _schemas, keep=columns)
         return table if columns is None else table.select([c for c in columns if c in table.column_names])
 
-    def _row_table_of(self, kind: str, info: dict, read: list | None, _schemas: list | None, tries: int = 0) -> Any:
+    def _row_table_of(self, kind: str, info: dict, read: list | None, _schemas: list | None, tries: int = 0,
+                      keep: list | None = None) -> Any:
         """The row table ``info`` (the root's ``row_tables[kind]``) lists, its columns ``read``
-        (None: all), checked (see :meth:`row_table`). A listed part that is gone while the
+        (None: all), checked (see :meth:`row_table`). ``keep``: the columns of ``read`` the
+        caller asked for; the others (read for the checks) are checked part by part and
+        dropped with each part, never held for the whole table (None: all kept). A listed part that is gone while the
         root now lists other parts of the table (a commit since merged it, FORMAT.md section
         4) is read from those: the first ``n_rows`` rows and the columns ``info`` lists, the
         rows of this commit (within a run a table only grows at its end)."""
@@ -3109,19 +3118,23 @@ class Store:
         schemas: list = []  # each part's full schema (from its Parquet footer)
         dist = self._attrs.get("distributed")
         by_rank = isinstance(dist, dict) and dist.get("committed") is True
+        order = (0, None)  # (rows before the part, the batch of the last row) of the parts read
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
                     later = self._later_row_table(kind, info, tries)
                     if later is not None:
-                        return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries)
+                        return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries, keep)
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
                 tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
                 problem = row_part_problem(schemas[-1], kind, by_rank, tables[-1])
                 if problem is not None:  # (a missing column would read as nulls: ids no sample has)
                     raise V.corrupt(self._backend, f"row table {kind!r}: part {key!r} {problem}")
+                if keep is not None and not by_rank:  # (by rank: checked on the whole table, below)
+                    order = self._check_part_batch_order(tables[-1], kind, order)
+                    tables[-1] = tables[-1].select([c for c in tables[-1].column_names if c in keep])
         if tables:
             try:  # the columns not read too: a projected read raises where the whole table's does
                 full = pa.unify_schemas(schemas, promote_options="default")
@@ -3182,14 +3195,14 @@ class Store:
         return later
 
     def _rows_of_a_later_commit(self, kind: str, info: dict, later: dict, read: list | None, _schemas: list | None,
-                                tries: int) -> Any:
+                                tries: int, keep: list | None = None) -> Any:
         """The row table ``info`` lists, read from the parts ``later`` (a later commit's table of
         the same run, :meth:`_later_row_table`) lists: its first ``info["n_rows"]`` rows, and the
         columns ``info`` lists (a column first given after them is left out)."""
         import pyarrow as pa
 
         schemas: list = []
-        table = self._row_table_of(kind, later, read, schemas, tries + 1)
+        table = self._row_table_of(kind, later, read, schemas, tries + 1, keep)
         table = table.slice(0, int(info.get("n_rows", 0)))
         names = info.get("columns")
         full = schemas[0] if schemas else table.schema
@@ -3200,13 +3213,37 @@ class Store:
             _schemas.append(full)
         return table
 
-    def _check_batch_order(self, table: Any, kind: str) -> None:
+    def _check_part_batch_order(self, part: Any, kind: str, order: tuple) -> tuple:
+        """:meth:`_check_batch_order` of the next part of a table (not committed from rank
+        stores) read part by part: ``order`` is ``(rows before it, the batch of the last row
+        before it or None)``, and the same for the parts up to this one is returned. Raises as
+        the check of the whole table does, at the same row."""
+        start, last = order
+        if "batch" not in part.column_names or part.num_rows == 0:
+            return start + part.num_rows, last
+        self._check_batch_order(part, kind, start)  # (within the part)
+        col = part.column("batch")
+        first = col[0].as_py()
+        if last is not None and first < last:
+            self._batch_went_back(kind, start, last, first, False)
+        return start + part.num_rows, col[part.num_rows - 1].as_py()
+
+    def _batch_went_back(self, kind: str, row: int, before: int, after: int, of_rank: bool) -> None:
+        raise V.corrupt(
+            self._backend,
+            f"row table {kind!r}: its batch column goes back from {before} to {after} "
+            f"(row {row}{' of its rank' if of_rank else ''}): its parts are not in the order they "
+            "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
+        )
+
+    def _check_batch_order(self, table: Any, kind: str, offset: int = 0) -> None:
         """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back
         (per ``rank`` in a store committed from rank stores, whose ``rank`` column is the
         rank's: FORMAT.md §10): a writer appends its forwards in order (FORMAT.md §5, §9 rule
         15), so parts listed in another order than written (an edited root, checksums intact)
         would pair rows with other samples' ids and columns. In any other store a ``rank``
-        column is a user column (``set_batch(rank=...)``) like any other."""
+        column is a user column (``set_batch(rank=...)``) like any other. ``offset``: the rows
+        before ``table`` (a part checked alone)."""
         names = table.column_names
         if "batch" not in names or table.num_rows < 2:
             return
@@ -3221,12 +3258,7 @@ class Store:
             raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
                                            f"nulls, got {col_type} with {nulls} nulls")
         row, before, after = detail
-        raise V.corrupt(
-            self._backend,
-            f"row table {kind!r}: its batch column goes back from {before} to {after} "
-            f"(row {row}{' of its rank' if by_rank and 'rank' in names else ''}): its parts are not in the order they "
-            "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
-        )
+        self._batch_went_back(kind, offset + row, before, after, by_rank and "rank" in names)
 
     # ------------------------------------------------------------------ checks and info
     def _table_problem(self, kind: str, e: StoreCorruptError) -> str:
@@ -3348,7 +3380,9 @@ class Store:
                                 f"{info.get('n_rows', 0)}")
             elif readable:  # each part is fine: the table is their concatenation (columns of one type)
                 try:
-                    table = self.row_table(kind)
+                    # (every column of each part decoded and checked, and only the columns the checks below
+                    # read kept: a token table of 10**9 rows is never held whole)
+                    table = self.row_table(kind, columns=["rank", "batch", "sample_id"], _decode_all=True)
                 except StoreCorruptError as e:
                     problems.append(self._table_problem(kind, e))
                 else:
