@@ -1605,7 +1605,10 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
             head[1:] |= pc.fill_null(pc.not_equal(col.slice(1), col.slice(0, nt - 1)), True).to_numpy(
                 zero_copy_only=False)
     firsts, of_runs = _first_sample_rows(samples, tokens.select(keys).filter(pa.array(head)), keys)
-    of_tokens = of_runs[np.cumsum(head) - 1] if nt else of_runs
+    # (each run's sample repeated over its rows: no index of every token row made on the way)
+    starts = np.flatnonzero(head)
+    of_tokens = np.repeat(of_runs, np.diff(np.append(starts, nt))) if nt else of_runs
+    del head, starts
     dup_rows = np.flatnonzero(firsts != np.arange(samples.num_rows))
     if dup_rows.size:  # one id twice in a forward: fine while their columns agree
         ambiguous = []
@@ -1638,7 +1641,8 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
             f"to take the sample columns {extra} from ({'; '.join(f.rstrip('; ') for f in found)}); a null there is no "
             "missing value to filter out. Run `activationscope verify` on the store and restore it from its source"
         )
-    where = pa.array(np.where(hit, of_tokens, 0), mask=None if hit.all() else ~hit)
+    where = pa.array(of_tokens) if hit.all() else pa.array(np.where(hit, of_tokens, 0), mask=~hit)
+    del of_tokens, hit
     picked = samples.select(extra).take(where)
     for name in extra:
         tokens = tokens.append_column(samples.schema.field(name), picked.column(name))
