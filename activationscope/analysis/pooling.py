@@ -219,7 +219,9 @@ def _labelled_rows(
             "call once per hook point"
         )
     hook_point = ds.hook_points[0]
-    names = ds.source.row_table(ds.row_kind).column_names
+    # (the tables' columns from their schemas, and only the columns read below decoded: a token
+    # table of 10**9 rows is never read whole here)
+    names = list(ds.source.row_schema(ds.row_kind).names)
     keys = ["sample_id"]
     # token rows are pooled for a per-sample label; a per-token one (a (batch, pos) column of
     # set_batch, in the token row table) labels each token row
@@ -227,7 +229,7 @@ def _labelled_rows(
     per_token = ds.row_kind == "token" and not token
     if token:  # token rows also see the per-sample columns of their sample
         keys = [c for c in ("rank", "batch") if c in names] + keys
-        names = [*names, *ds.source.row_table("sample").column_names]
+        names = [*names, *ds.source.row_schema("sample").names]
     elif per_token:  # token rows of a per-token label, read with their (rank, batch, sample_id)
         keys = [c for c in ("rank", "batch") if c in names] + keys
     elif "rank" in names:  # sample rows: their sample is (rank, sample_id)
@@ -239,7 +241,7 @@ def _labelled_rows(
     # rows are left out by a filter, and counted as unlabelled
     holder = "sample" if token else ds.row_kind
     missing = None
-    if ds.source.row_table(holder).column(label_column).null_count:
+    if ds.source.row_table(holder, [label_column]).column(label_column).null_count:
         missing = ActivationDataset(store, hook_points=[hook_point], columns=keys,
                                     filter=pc.field(label_column).is_null())
     ds = ActivationDataset(store, hook_points=[hook_point], columns=[*keys, label_column],
@@ -256,7 +258,7 @@ def _labelled_rows(
         if token:  # the samples of those token rows, from the row table (their rows are not read)
             at = missing.store_rows()
             at = np.arange(at.start, at.stop) if isinstance(at, range) else at.numpy()
-            table = ds.source.row_table("token").select(keys).take(at)
+            table = ds.source.row_table("token", keys).take(at)
             unlabelled.update(zip(*(table.column(c).to_pylist() for c in keys)))
         else:
             n_unlabelled += len(missing)

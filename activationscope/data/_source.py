@@ -67,7 +67,8 @@ class RowSource(Protocol):
     def follows_row_table(self, hook_point: str) -> bool: ...
 
     def row_table(self, kind: str) -> Any:
-        """The row table of ``kind`` as a ``pyarrow.Table``."""
+        """The row table of ``kind`` as a ``pyarrow.Table`` (optionally with a ``columns``
+        keyword: only those columns, as ``Store.row_table`` reads them)."""
 
     def row_blocks(self, hook_point: str) -> tuple[list[int], bool]:
         """``(bounds [0, ..., n_rows], views)``: the units to read in; ``views`` True when
@@ -80,6 +81,24 @@ class RowSource(Protocol):
         """Hint that rows ``[start, stop)`` are read next (may do nothing). May return
         ``(lo, hi)``: hints for rows within ``[lo, hi)`` would do nothing until the next
         hint outside it (the reader then skips them)."""
+
+def _projected_row_table(store: Any, kind: str, names: list[str]) -> tuple[Any, Any]:
+    """``(table, full schema or None)``: the columns ``names`` of ``store``'s row table of
+    ``kind``, projected by the store where its ``row_table`` takes ``columns`` (and ``_schemas``,
+    the full schema, as :class:`activationscope.store.Store` does), else read whole and selected."""
+    try:
+        params = inspect.signature(store.row_table).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "columns" not in params:
+        table = store.row_table(kind)
+        return table.select([c for c in names if c in table.column_names]), table.schema
+    if "_schemas" not in params:
+        return store.row_table(kind, columns=names), None
+    schemas: list = []
+    table = store.row_table(kind, columns=names, _schemas=schemas)
+    return table, (schemas[0] if schemas else None)
+
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
 #: In a forked child, the parent's store objects its sources dropped (see ``_drop_handles``).
@@ -204,6 +223,7 @@ class StoreSource:
         # hit it: one comparison and one slice per batch)
         self._recent: dict[str, tuple[int, int, torch.Tensor]] = {}
         self._tables: dict[str, Any] = {}
+        self._schemas: dict[str, Any] = {}  # kind -> the full schema of its row table (see row_schema)
         self._seg_lists: dict[str, list[Any]] = {}  # hook point -> mapped segments (None: not yet), for gather
         self._hints: dict[str, torch.Tensor] = {}  # hook point -> the gather's hint (see _hint)
         # the store's metadata object (``store.attrs``) the caches above were filled under:
@@ -235,6 +255,7 @@ class StoreSource:
         self._hinted = {}
         self._recent = {}
         self._tables = {}
+        self._schemas = {}
         self._seg_lists = {}
         self._hints = {}
         self._seen = None
@@ -353,15 +374,44 @@ class StoreSource:
     def row_kind(self, hp: str) -> str:
         return str(self.store.row_kind(hp))
 
-    def row_table(self, kind: str) -> Any:
-        """The row table of ``kind`` as a ``pyarrow.Table`` (cached until the store is refreshed)."""
+    def row_table(self, kind: str, columns: list[str] | None = None) -> Any:
+        """The row table of ``kind`` as a ``pyarrow.Table``.
+
+        ``columns``: read only these (Parquet column projection, the table's checks as
+        ``Store.row_table(kind, columns)`` makes them), in this order; a name the table has no
+        column of is left out. Such a read is not cached: a dataset that needs one column of
+        a token table of 10**9 rows holds that column, not every column. Default (None):
+        every column, cached until the store is refreshed.
+        """
         store = self.store
         tables = self._tables  # (taken before the store is read: see _forget_layouts)
+        schemas = self._schemas
         table = tables.get(kind)
+        if columns is None:
+            if table is None:
+                table = store.row_table(kind)
+                tables[kind] = table
+                schemas[kind] = table.schema
+            return table
+        names = list(dict.fromkeys(columns))
         if table is None:
-            table = store.row_table(kind)
-            tables[kind] = table
-        return table
+            table, schema = _projected_row_table(store, kind, names)
+            if schema is not None:
+                schemas[kind] = schema
+        return table.select([c for c in names if c in table.column_names])
+
+    def row_schema(self, kind: str) -> Any:
+        """The ``pyarrow.Schema`` of every column of the row table of ``kind`` (read from the
+        Parquet footers of its parts with the columns a check needs, no other decoded; cached
+        until the store is refreshed)."""
+        schemas = self._schemas
+        schema = schemas.get(kind)
+        if schema is None:
+            self.row_table(kind, [])
+            schema = schemas.get(kind)
+        if schema is None:  # (a store that reads whole tables only)
+            schema = self.row_table(kind).schema
+        return schema
 
     def dtype(self, hp: str) -> torch.dtype:
         return self.store.dtype(hp)

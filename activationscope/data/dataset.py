@@ -706,13 +706,17 @@ class ActivationDataset(Dataset):
         ``set_batch``), joined on ``(rank, batch, sample_id)``: the sample of the same forward
         (and rank), so ids repeated across forwards or ranks get their own sample's values
         (ActivationScopeError when one forward gave one id to two samples whose column differs
-        and that column is read, by ``columns`` or by a ``filter``, which sees every column;
-        ``rows`` and ``sample_ids`` select such a store's token rows).
+        and that column is read, by ``columns`` or by a ``filter`` that names it, or by a
+        callable filter, which sees every column; ``rows`` and ``sample_ids`` select such a
+        store's token rows). Only these columns are read of the row table (Parquet column
+        projection), and only they are kept in memory with the dataset.
     filter : pyarrow.compute.Expression or callable, optional
         Keep rows where the predicate holds: an expression over row-table columns
         (``pc.field("label") == 1``, ``pc.field("pos") > 0`` to drop BOS tokens), or a
         callable ``f(table: pyarrow.Table) -> bool mask (rows,)`` (pyarrow / numpy / torch /
-        list) over the row table. Evaluated once, in the constructor.
+        list) over the row table. Evaluated once, in the constructor. An expression reads
+        the columns whose names it holds (and the row table's checks theirs), a callable the
+        whole table; neither is kept after the constructor.
     sample_ids : collection of int, optional
         Keep rows of these samples only (every token row of a sample for token hook points):
         a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
@@ -795,20 +799,20 @@ class ActivationDataset(Dataset):
         self._columns_read: list[str] | None = None if filter is not None else self.columns
         self._col_cache: dict[str, Any] | None = None
         if self.columns:
-            table = self._row_table()
-            missing = [c for c in self.columns if c not in table.column_names]
+            have = self._row_columns()  # (the columns read once rows are selected: _column_values)
+            missing = [c for c in self.columns if c not in have]
             if missing:
                 store = getattr(self.source, "store", None)
                 status = getattr(store, "status", None)
                 empty = ""
-                if table.num_rows == 0 and status not in (None, "complete"):
+                if self.n_store_rows == 0 and status not in (None, "complete"):
                     # (set_batch's columns reach the row table with the first commit)
                     empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
                              "columns given to set_batch appear with its first commit; call store.refresh() and "
                              "make the dataset again once rows are committed")
                 raise ArgumentValueError(
                     f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {table.column_names}{column_hint(missing, table.column_names)}{empty}"
+                    f"it has {have}{column_hint(missing, have)}{empty}"
                 )
         clash = set(self.columns) & set(self.hook_points)
         if clash:
@@ -858,8 +862,7 @@ class ActivationDataset(Dataset):
                    "of each of them alone" if lost else "")
             )
 
-    def _row_table(self) -> pa.Table:
-        table = self.source.row_table(self.row_kind)
+    def _refuse_lost(self) -> None:
         lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
         if lost:
             # columns=, filter= or sample_ids= given for such a hook point: an argument this
@@ -870,13 +873,59 @@ class ActivationDataset(Dataset):
                 "missing from one, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "
                 "with them; read them without those (rows= still selects stored rows)"
             )
+
+    def _row_columns(self) -> list[str]:
+        """The columns of the dataset's row table (a token table's with its samples' columns),
+        from the tables' schemas: no column is decoded but those the table's checks read."""
+        self._refuse_lost()
+        names = list(self.source.row_schema(self.row_kind).names)
+        if self.row_kind == "token" and "sample_id" in names:
+            try:
+                samples = self.source.row_schema("sample").names
+            except Exception:  # a store without a sample table (as _with_sample_columns reads it)
+                samples = []
+            if "sample_id" in samples:
+                names += [c for c in samples if c not in names]
+        return names
+
+    def _with_sample_columns_read(self, tokens: pa.Table, names: list[str]) -> pa.Table:
+        """The columns ``names`` of token rows (``tokens``, those of them the token table has):
+        with the per-sample ones among them, read with their samples' keys (only those columns
+        of both tables decoded), see :func:`_with_sample_columns`."""
+        own = self.source.row_schema("token").names
+        if not any(c not in own for c in names):
+            return tokens
+        keys = [k for k in _SAMPLE_KEY if k in own and k not in tokens.column_names]
+        if keys:
+            tokens = self.source.row_table("token", [*tokens.column_names, *keys])
+        table = _with_sample_columns(tokens, self.source, names, own)
+        return table.select([c for c in table.column_names if c in names])
+
+    def _row_table(self, names: list[str] | None = None) -> pa.Table:
+        """The row table of the dataset's store rows (token rows with their sample's columns),
+        checked against the hook points' rows. ``names``: only these columns are read (those
+        the tables have: the others are left out), in the tables' order; None: every column.
+
+        Raises ArgumentValueError for hook points that do not follow the row table, and
+        StoreCorruptError where the table and the rows disagree."""
+        self._refuse_lost()
+        if names is None:
+            table = self.source.row_table(self.row_kind)
+        else:
+            table = self.source.row_table(self.row_kind, names)
         if self.row_kind == "token":
-            table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
+            if names is None:
+                table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
+            else:
+                table = self._with_sample_columns_read(table, names)
         if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
             attrs = getattr(getattr(self.source, "store", None), "attrs", None)
             dist = attrs.get("distributed") if isinstance(attrs, dict) else None
+            told = table  # (the batch column tells where the rows end: read for that where not read)
+            if "batch" not in told.column_names and names is not None:
+                told = self.source.row_table(self.row_kind, ["batch"])
             damage = short_of_row_table_line(
-                self.hook_points[0], self.n_store_rows, self.row_kind, table.num_rows, table,
+                self.hook_points[0], self.n_store_rows, self.row_kind, table.num_rows, told,
                 isinstance(dist, dict) and dist.get("committed") is True,
                 "its rows cannot be paired with the table's; run store.verify() and restore the store from its source")
             if damage is not None:  # (where verify names it: never trimmed without a word)
@@ -923,8 +972,22 @@ class ActivationDataset(Dataset):
     def _store_ids(self) -> torch.Tensor:
         return self._ids if self._ids is not None else torch.arange(self._start, self._stop, dtype=torch.int64)
 
+    def _filter_columns(self, filter: Any, sample_ids: Any) -> list[str] | None:
+        """The row-table columns ``filter=`` and ``sample_ids=`` read: ``sample_id``, and every
+        column whose name is in the expression's text (a superset of the fields it names:
+        an expression that names another reads the whole table, see :meth:`_apply_filter`);
+        None (every column) for a callable, which sees the whole table."""
+        if filter is not None and not isinstance(filter, pc.Expression):
+            return None
+        names = ["sample_id"] if sample_ids is not None else []
+        if filter is not None:
+            text = str(filter)
+            names += [c for c in self._row_columns() if c in text and c not in names]
+        return names
+
     def _apply_filter(self, filter: Any, sample_ids: Any) -> None:
-        table = self._row_table()
+        names = self._filter_columns(filter, sample_ids)
+        table = self._row_table(names)
         n = table.num_rows
         mask = np.ones(n, dtype=bool)
         if sample_ids is not None:
@@ -952,21 +1015,32 @@ class ActivationDataset(Dataset):
             some = wanted.slice(0, 5).to_pylist()
         if filter is not None:
             if isinstance(filter, pc.Expression):
-                indexed = table.append_column(_ROW_ID, pa.array(np.arange(n, dtype=np.int64)))
                 try:
-                    kept = indexed.filter(filter).column(_ROW_ID).to_numpy()
+                    fmask = _expression_mask(filter, table)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                    raise self._filter_error(filter, table, e) from None
-                fmask = np.zeros(n, dtype=bool)
-                fmask[kept] = True
+                    if names is None:
+                        raise self._filter_error(filter, table, e) from None
+                    # the columns read may lack one it names: said of (or evaluated on) every column
+                    whole = self._row_table()
+                    try:
+                        fmask = _expression_mask(filter, whole)
+                    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                        raise self._filter_error(filter, whole, e) from None
             elif callable(filter):
                 fmask = _as_bool_mask(filter(table), n, self.row_kind)
             else:
                 raise ArgumentTypeError(f"filter must be a pyarrow.compute.Expression or a callable, got {filter!r}")
             mask &= fmask
         keep = torch.from_numpy(mask)
-        ids = self._store_ids()
-        if sample_ids is not None and len(wanted) and not bool(keep[ids].any()) and len(ids):
+        if self._ids is None:  # (a range of rows: no index of every row made)
+            chosen = np.flatnonzero(mask[self._start:self._stop])
+            if self._start:
+                chosen += self._start
+            chosen = torch.from_numpy(chosen.astype(np.int64, copy=False))
+        else:
+            chosen = self._ids[keep[self._ids]]
+        n_rows = len(self)
+        if sample_ids is not None and len(wanted) and not chosen.numel() and n_rows:
             # an intersection with rows= and filter=, but none at all is a mistake (an empty
             # collection selects no sample: an empty dataset, as rows=[] is)
             if bool(hit.to_numpy(zero_copy_only=False).any()):  # rows there are, left out by rows= / filter=
@@ -984,12 +1058,12 @@ class ActivationDataset(Dataset):
             )
         if sample_ids is not None and len(wanted):
             self._refuse_unknown_ids(wanted, table)
-        self._ids = ids[keep[ids]].contiguous()
+        self._ids = chosen.contiguous()
 
     def _stored_sample_ids(self, id_type: pa.DataType) -> pa.ChunkedArray | None:
         """The ids of the store's ``sample`` row table as ``id_type``; None without one."""
         try:
-            return self.source.row_table("sample").column("sample_id").cast(id_type)
+            return self.source.row_table("sample", ["sample_id"]).column("sample_id").cast(id_type)
         except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return None
 
@@ -1138,7 +1212,7 @@ class ActivationDataset(Dataset):
         if self._col_cache is None:
             cache: dict[str, Any] = {}
             if self.columns:
-                table = self._row_table()
+                table = self._row_table(self.columns)  # (those columns only: never the whole table)
                 for name in self.columns:
                     col = table.column(name).combine_chunks()
                     if col.null_count and _numeric(col.type):
@@ -1490,17 +1564,25 @@ def _first_sample_rows(samples: pa.Table, tokens: pa.Table, keys: list[str]) -> 
     return first[s_code], of_tokens
 
 
-def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable[str] | None = None) -> pa.Table:
+def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable[str] | None = None,
+                         token_columns: Iterable[str] | None = None) -> pa.Table:
     """Token rows plus the per-sample columns (labels, text) of their sample, joined on
     ``(rank, batch, sample_id)`` (those of the three both tables have).
 
     ``wanted``: the per-sample columns the caller reads (None: any of them, as a filter may).
     A column whose values differ between two samples of one id in one forward (their token
     rows cannot be told apart) is left out of the table when it is not wanted.
+    ``token_columns``: every column of the token table, when ``tokens`` holds some of them
+    (and its keys): only the keys and the ``wanted`` columns the token table lacks are then
+    read of the sample table (``wanted`` must be given).
 
     Raises ActivationScopeError when such a column is wanted."""
     try:
-        samples = source.row_table("sample")
+        if token_columns is None:
+            samples = source.row_table("sample")
+        else:
+            own = set(token_columns)
+            samples = source.row_table("sample", [*_SAMPLE_KEY, *(c for c in wanted if c not in own)])
     except Exception:  # a store without a sample table
         return tokens
     extra = [c for c in samples.column_names if c not in tokens.column_names]
@@ -1523,7 +1605,10 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
             head[1:] |= pc.fill_null(pc.not_equal(col.slice(1), col.slice(0, nt - 1)), True).to_numpy(
                 zero_copy_only=False)
     firsts, of_runs = _first_sample_rows(samples, tokens.select(keys).filter(pa.array(head)), keys)
-    of_tokens = of_runs[np.cumsum(head) - 1] if nt else of_runs
+    # (each run's sample repeated over its rows: no index of every token row made on the way)
+    starts = np.flatnonzero(head)
+    of_tokens = np.repeat(of_runs, np.diff(np.append(starts, nt))) if nt else of_runs
+    del head, starts
     dup_rows = np.flatnonzero(firsts != np.arange(samples.num_rows))
     if dup_rows.size:  # one id twice in a forward: fine while their columns agree
         ambiguous = []
@@ -1540,8 +1625,9 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
                         f"the sample row table of {source.describe()} holds two samples with {ident} (one forward "
                         f"gave one sample id twice) whose column {name!r} differs ({b!r}, {a!r}): their token "
                         f"rows cannot be paired with their sample's columns. Read the token rows without {name!r} in "
-                        "columns= and without filter= (a filter sees every column; rows= and sample_ids= select "
-                        "without it), or capture with sample ids unique within each forward (set_batch(sample_ids=...))"
+                        "columns= and in filter= (a callable filter sees every column; an expression those it names; "
+                        "rows= and sample_ids= select without it), or capture with sample ids unique within each "
+                        "forward (set_batch(sample_ids=...))"
                     )
         extra = [c for c in extra if c not in ambiguous]
     hit = of_tokens >= 0  # (a token row of no sample gets nulls where no sample column is read)
@@ -1555,11 +1641,32 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
             f"to take the sample columns {extra} from ({'; '.join(f.rstrip('; ') for f in found)}); a null there is no "
             "missing value to filter out. Run `activationscope verify` on the store and restore it from its source"
         )
-    where = pa.array(np.where(hit, of_tokens, 0), mask=None if hit.all() else ~hit)
+    where = pa.array(of_tokens) if hit.all() else pa.array(np.where(hit, of_tokens, 0), mask=~hit)
+    del of_tokens, hit
     picked = samples.select(extra).take(where)
     for name in extra:
         tokens = tokens.append_column(samples.schema.field(name), picked.column(name))
     return tokens
+
+
+def _expression_mask(filter: pc.Expression, table: pa.Table) -> np.ndarray:
+    """Where ``filter`` holds on the rows of ``table``: bool ``(rows,)`` (null: False, as
+    ``Table.filter`` drops such rows), evaluated as one bool column, not by filtering a copy of
+    the table. Raises what ``table.filter(filter)`` raises (pyarrow errors)."""
+    import pyarrow.dataset as pds
+
+    if table.num_columns == 0:  # (a dataset of no column: its rows counted by the slow way)
+        indexed = table.append_column(_ROW_ID, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+        mask = np.zeros(table.num_rows, dtype=bool)
+        mask[indexed.filter(filter).column(_ROW_ID).to_numpy()] = True
+        return mask
+    got = pds.dataset(table).to_table(columns={_ROW_ID: filter}, use_threads=False).column(_ROW_ID)
+    if not pa.types.is_boolean(got.type):
+        table.filter(filter)  # (raises: "Filter expression must evaluate to bool")
+        raise pa.ArrowTypeError(f"Filter expression must evaluate to bool, but {filter} evaluates to {got.type}")
+    if got.num_chunks == 0:
+        return np.zeros(table.num_rows, dtype=bool)
+    return np.asarray(pc.fill_null(got, False).to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def _as_bool_mask(result: Any, n: int, kind: str) -> np.ndarray:

@@ -90,6 +90,24 @@ _MAP_BUDGET: int | None = None
 _MIN_MAP_BUDGET = 1024
 
 
+def _available_memory_bytes() -> int | None:
+    """The memory the system can give this process without swapping, in bytes
+    (``MemAvailable`` of ``/proc/meminfo``); None where it cannot be read (no check then)."""
+    try:  # (Linux)
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+#: The share of :func:`_available_memory_bytes` one copy made by ``store[...]`` may take: a larger
+#: copy raises instead of being killed by the kernel's out-of-memory killer half way through.
+_COPY_MEMORY_SHARE = 0.9
+
+
 def _default_map_budget() -> int:
     """Half of the process's limit of memory mappings (``vm.max_map_count``, 65530 where it
     cannot be read) less the mappings it holds now, at least ``_MIN_MAP_BUDGET``."""
@@ -1102,6 +1120,9 @@ class Store:
             ints; a TypeError.
         ArgumentValueError
             The slice's step is 0; a ValueError.
+        StoreError
+            The read is a copy (not a view) of more bytes than 90% of the memory the system
+            has available (``MemAvailable``): read it in slices or through ``ActivationDataset``.
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
@@ -1123,6 +1144,7 @@ class Store:
         r = range(start, stop, step)
         if len(r) == 0:
             return self._read_rows(hook_point, 0, 0)
+        self._refuse_copy_past_memory(hook_point, r)
         if step == 1:
             return self._read_rows(hook_point, start, stop)
         lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
@@ -1141,6 +1163,44 @@ class Store:
             part = asc[i : i + per]
             out[i : i + len(part)] = self._read_rows(hook_point, part[0], part[-1] + 1)[::k]
         return out if step > 0 else out.flip(0)
+
+    def _refuse_copy_past_memory(self, hook_point: str, r: range) -> None:
+        """Raise before ``store[...]`` copies rows ``r`` of ``hook_point`` into more memory than
+        the system has available (``_COPY_MEMORY_SHARE`` of ``MemAvailable``): such a copy is
+        killed by the out-of-memory killer, not refused. A read that is a view copies nothing."""
+        available = _available_memory_bytes()
+        if available is None:
+            return
+        nbytes = len(r) * V.row_bytes(self._meta(hook_point))
+        if nbytes <= _COPY_MEMORY_SHARE * available:
+            return
+        lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
+        if r.step > 0 and self._span_is_view(hook_point, lo, hi):
+            return
+        meta = self._meta(hook_point)
+        n = int(meta["n_rows"])
+        why = ("its array is compressed or not local, so each read decodes a copy"
+               if self._parts or not self._mappable(meta) else
+               f"its {-(-n // max(1, int(meta['shard_rows'])))} shards (of {self._total_shards_now()} in the store) "
+               f"cannot be mapped as one view within the process's budget of {self._budget()} memory mappings "
+               "(reader._MAP_BUDGET, half of vm.max_map_count)")
+        raise StoreError(
+            f"store[{hook_point!r}{'' if (r.start, r.stop, r.step) == (0, n, 1) else ', rows'}] would copy "
+            f"{len(r)} rows ({nbytes} bytes) into memory, more than the {available} bytes available (MemAvailable): "
+            f"{why}. Read it in slices, store[{hook_point!r}, a:b], or through ActivationDataset(store, "
+            f"hook_points={hook_point!r}) in batches; for a view of every row, capture with fewer, larger shards "
+            "(store_options={'shard_bytes': ...}) or raise vm.max_map_count")
+
+    def _total_shards_now(self) -> int:
+        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts)."""
+        n = 0
+        for m in (self._attrs.get("arrays") or {}).values():
+            if isinstance(m, dict) and m.get("compression") is None:
+                try:
+                    n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
+                except (KeyError, TypeError, ValueError):
+                    pass
+        return n
 
     def _span_is_view(self, hook_point: str, lo: int, hi: int) -> bool:
         """Whether rows ``[lo, hi)`` read as a view of mapped memory (no copy)."""
@@ -2962,7 +3022,7 @@ class Store:
 
     # ------------------------------------------------------------------ row tables
     def row_table(self, kind: str = "sample", columns: Sequence[str] | None = None, *,
-                  _schemas: list | None = None) -> Any:
+                  _schemas: list | None = None, _decode_all: bool = False) -> Any:
         """The row table of ``kind`` ("sample" or "token") as a ``pyarrow.Table``.
 
         Row ``i`` of a ``kind`` array whose ``follows_row_table`` is true is described by
@@ -3031,14 +3091,23 @@ class Store:
             if columns is not None:  # every column's type, as the whole table's read checks them
                 check_rank_column_types(full, ranks, stores, kind)
             table = concat_rank_tables(tables, ranks, stores, kind)
+            if _schemas is not None:  # (the types agree: checked above, or by the concatenation)
+                try:
+                    _schemas.append(pa.unify_schemas(full, promote_options="default"))
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    pass
             return table if columns is None else table.select([c for c in columns if c in table.column_names])
         info = (self._attrs.get("row_tables") or {}).get(kind) or {"parts": []}
-        table = self._row_table_of(kind, info, read, _schemas)
+        # (_decode_all: every column of each part decoded, as a whole read does, those not asked for dropped)
+        table = self._row_table_of(kind, info, None if _decode_all else read, _schemas, keep=columns)
         return table if columns is None else table.select([c for c in columns if c in table.column_names])
 
-    def _row_table_of(self, kind: str, info: dict, read: list | None, _schemas: list | None, tries: int = 0) -> Any:
+    def _row_table_of(self, kind: str, info: dict, read: list | None, _schemas: list | None, tries: int = 0,
+                      keep: list | None = None) -> Any:
         """The row table ``info`` (the root's ``row_tables[kind]``) lists, its columns ``read``
-        (None: all), checked (see :meth:`row_table`). A listed part that is gone while the
+        (None: all), checked (see :meth:`row_table`). ``keep``: the columns of ``read`` the
+        caller asked for; the others (read for the checks) are checked part by part and
+        dropped with each part, never held for the whole table (None: all kept). A listed part that is gone while the
         root now lists other parts of the table (a commit since merged it, FORMAT.md section
         4) is read from those: the first ``n_rows`` rows and the columns ``info`` lists, the
         rows of this commit (within a run a table only grows at its end)."""
@@ -3049,19 +3118,23 @@ class Store:
         schemas: list = []  # each part's full schema (from its Parquet footer)
         dist = self._attrs.get("distributed")
         by_rank = isinstance(dist, dict) and dist.get("committed") is True
+        order = (0, None)  # (rows before the part, the batch of the last row) of the parts read
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
                     later = self._later_row_table(kind, info, tries)
                     if later is not None:
-                        return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries)
+                        return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries, keep)
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
                 tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
                 problem = row_part_problem(schemas[-1], kind, by_rank, tables[-1])
                 if problem is not None:  # (a missing column would read as nulls: ids no sample has)
                     raise V.corrupt(self._backend, f"row table {kind!r}: part {key!r} {problem}")
+                if keep is not None and not by_rank:  # (by rank: checked on the whole table, below)
+                    order = self._check_part_batch_order(tables[-1], kind, order)
+                    tables[-1] = tables[-1].select([c for c in tables[-1].column_names if c in keep])
         if tables:
             try:  # the columns not read too: a projected read raises where the whole table's does
                 full = pa.unify_schemas(schemas, promote_options="default")
@@ -3122,14 +3195,14 @@ class Store:
         return later
 
     def _rows_of_a_later_commit(self, kind: str, info: dict, later: dict, read: list | None, _schemas: list | None,
-                                tries: int) -> Any:
+                                tries: int, keep: list | None = None) -> Any:
         """The row table ``info`` lists, read from the parts ``later`` (a later commit's table of
         the same run, :meth:`_later_row_table`) lists: its first ``info["n_rows"]`` rows, and the
         columns ``info`` lists (a column first given after them is left out)."""
         import pyarrow as pa
 
         schemas: list = []
-        table = self._row_table_of(kind, later, read, schemas, tries + 1)
+        table = self._row_table_of(kind, later, read, schemas, tries + 1, keep)
         table = table.slice(0, int(info.get("n_rows", 0)))
         names = info.get("columns")
         full = schemas[0] if schemas else table.schema
@@ -3140,13 +3213,37 @@ class Store:
             _schemas.append(full)
         return table
 
-    def _check_batch_order(self, table: Any, kind: str) -> None:
+    def _check_part_batch_order(self, part: Any, kind: str, order: tuple) -> tuple:
+        """:meth:`_check_batch_order` of the next part of a table (not committed from rank
+        stores) read part by part: ``order`` is ``(rows before it, the batch of the last row
+        before it or None)``, and the same for the parts up to this one is returned. Raises as
+        the check of the whole table does, at the same row."""
+        start, last = order
+        if "batch" not in part.column_names or part.num_rows == 0:
+            return start + part.num_rows, last
+        self._check_batch_order(part, kind, start)  # (within the part)
+        col = part.column("batch")
+        first = col[0].as_py()
+        if last is not None and first < last:
+            self._batch_went_back(kind, start, last, first, False)
+        return start + part.num_rows, col[part.num_rows - 1].as_py()
+
+    def _batch_went_back(self, kind: str, row: int, before: int, after: int, of_rank: bool) -> None:
+        raise V.corrupt(
+            self._backend,
+            f"row table {kind!r}: its batch column goes back from {before} to {after} "
+            f"(row {row}{' of its rank' if of_rank else ''}): its parts are not in the order they "
+            "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
+        )
+
+    def _check_batch_order(self, table: Any, kind: str, offset: int = 0) -> None:
         """Raise :class:`StoreCorruptError` when the row table's ``batch`` column goes back
         (per ``rank`` in a store committed from rank stores, whose ``rank`` column is the
         rank's: FORMAT.md §10): a writer appends its forwards in order (FORMAT.md §5, §9 rule
         15), so parts listed in another order than written (an edited root, checksums intact)
         would pair rows with other samples' ids and columns. In any other store a ``rank``
-        column is a user column (``set_batch(rank=...)``) like any other."""
+        column is a user column (``set_batch(rank=...)``) like any other. ``offset``: the rows
+        before ``table`` (a part checked alone)."""
         names = table.column_names
         if "batch" not in names or table.num_rows < 2:
             return
@@ -3161,12 +3258,7 @@ class Store:
             raise V.corrupt(self._backend, f"row table {kind!r}: its {c} column must hold integers without "
                                            f"nulls, got {col_type} with {nulls} nulls")
         row, before, after = detail
-        raise V.corrupt(
-            self._backend,
-            f"row table {kind!r}: its batch column goes back from {before} to {after} "
-            f"(row {row}{' of its rank' if by_rank and 'rank' in names else ''}): its parts are not in the order they "
-            "were written (an edited zarr.json), so its rows would describe other rows of the arrays",
-        )
+        self._batch_went_back(kind, offset + row, before, after, by_rank and "rank" in names)
 
     # ------------------------------------------------------------------ checks and info
     def _table_problem(self, kind: str, e: StoreCorruptError) -> str:
@@ -3288,7 +3380,9 @@ class Store:
                                 f"{info.get('n_rows', 0)}")
             elif readable:  # each part is fine: the table is their concatenation (columns of one type)
                 try:
-                    table = self.row_table(kind)
+                    # (every column of each part decoded and checked, and only the columns the checks below
+                    # read kept: a token table of 10**9 rows is never held whole)
+                    table = self.row_table(kind, columns=["rank", "batch", "sample_id"], _decode_all=True)
                 except StoreCorruptError as e:
                     problems.append(self._table_problem(kind, e))
                 else:

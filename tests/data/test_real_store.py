@@ -267,9 +267,13 @@ def test_one_id_twice_in_a_forward_with_other_columns_is_refused_not_paired_with
     assert ActivationDataset(path, columns=["pos", "sample_id"])[:]["sample_id"].tolist() == [5] * 6 + [6] * 3 + [7] * 3
     assert ActivationDataset(path, columns=["pos"], sample_ids=[6])[:]["pos"].tolist() == [0, 1, 2]
     assert len(ActivationDataset(path, rows=[0, 7])) == 2
+    # a filter reads the columns it names: one on pos selects, one on the label is refused
+    assert ActivationDataset(path, columns=["pos"], filter=pc.field("pos") > 0)[:]["pos"].tolist() == [1, 2] * 4
     with pytest.raises(ActivationScopeError, match=r"column 'label' differs \(0, 1\).* without 'label' in columns= "
-                       r"and without filter="):
-        ActivationDataset(path, filter=pc.field("pos") > 0)
+                       r"and in filter="):
+        ActivationDataset(path, filter=pc.field("label") == 0)
+    with pytest.raises(ActivationScopeError, match=r"column 'label' differs \(0, 1\)"):  # (a callable sees it all)
+        ActivationDataset(path, filter=lambda t: pc.greater(t["pos"], 0))
     # an export writes the columns it is given; every one (the label too) when none is given
     from activationscope.data.export import export_parquet
     import pyarrow.parquet as pq
