@@ -346,6 +346,20 @@ bool has_no_bytes(const at::Tensor& x) {
   }
 }
 
+// Whether `x` (a tensor of has_no_bytes) is a FakeTensor (torch._subclasses.fake_tensor, what a
+// forward under FakeTensorMode makes): its storage is on the meta device, while a wrapper
+// subclass's (torch.Tensor._make_wrapper_subclass) is on the tensor's own device. Only for
+// the message of a refused call.
+bool is_fake(const at::Tensor& x) {
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (!impl->has_storage()) return false;
+  try {
+    return impl->storage().device_type() == c10::DeviceType::Meta && !x.is_meta();
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 void Sink::check_layout(const at::Tensor& x) const {
@@ -397,6 +411,9 @@ void Sink::check_layout(const at::Tensor& x) const {
   } else if (!strided) {
     what = "a " + layout_name(x.layout()) + " tensor (not strided)";
     convert = "x.to_dense()";
+  } else if (no_bytes && is_fake(x)) {  // (no values at all: a forward traced under FakeTensorMode)
+    what = "a FakeTensor (a shape without values, made under torch._subclasses.FakeTensorMode)";
+    convert = "the forward run outside FakeTensorMode, on real tensors";
   } else if (no_bytes) {
     what = "a tensor subclass with no bytes of its own (a __torch_dispatch__ wrapper: its values are computed by "
            "its Python code)";

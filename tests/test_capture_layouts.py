@@ -390,3 +390,25 @@ def test_a_forward_under_fake_tensor_mode_is_refused_naming_fake_tensors():
     with torch.no_grad(), acs.ActivationScope().track(model) as tracker:
         model(x)
     assert torch.equal(tracker.activations["1.output"][0], model(x).detach())
+
+
+@pytest.mark.parametrize("kw, use", [({}, r"copied \(CaptureMode\.SNAPSHOT\)"),
+                                     ({"capture_mode": acs.CaptureMode.REFERENCE, "reductions": ["mean"]}, "reduced")])
+def test_a_later_forward_under_fake_tensor_mode_is_refused_naming_fake_tensors(kw, use):
+    """A forward under FakeTensorMode after real ones: the native check of that later call
+    called its FakeTensors wrappers whose 'values are computed by its Python code' with 'a
+    plain torch.Tensor of its values' as the fix, as the first call's message no longer does;
+    it names FakeTensorMode and the forward outside it, as the first call's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    x = torch.randn(2, 3)
+    with pytest.raises(acs.CaptureError, match=r"hook point '0\.output' is a FakeTensor \(a shape without values, made "
+                                               rf"under torch\._subclasses\.FakeTensorMode\), shape \(2, 3\), in its call "
+                                               rf"2, which cannot be {use}: .*\(or give the capture a dense tensor: the "
+                                               r"forward run outside FakeTensorMode, on real tensors\)"):
+        with torch.no_grad(), acs.ActivationScope(**kw).track(model):
+            model(x)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model(torch.randn(2, 3))

@@ -323,6 +323,35 @@ def test_chunk_shuffle_batches_built_per_window_are_those_of_the_whole_order(n, 
     assert list(s) == _chunk_shuffle_batches_from_whole_order(s)
 
 
+class _Shards:
+    """A source of ``n`` rows whose shards hold ``sizes`` rows (0 for an empty shard), as
+    :meth:`ActivationDataset.block_boundaries` gives them."""
+
+    def __init__(self, sizes):
+        self.bounds = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
+
+    def __len__(self):
+        return int(self.bounds[-1])
+
+    def block_boundaries(self):
+        return self.bounds
+
+
+@pytest.mark.filterwarnings("ignore:ChunkShuffleBatchSampler. the . ranks do not read")
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=2, max_size=12), bs=st.integers(1, 30), buffer=st.integers(1, 90),
+       world=st.integers(1, 4), rank=st.integers(0, 3), drop_last=st.booleans(), even=st.booleans(),
+       seed=st.integers(0, 2**64 - 1), epoch=st.integers(0, 3))
+def test_chunk_shuffle_batches_of_shards_of_unequal_sizes_are_those_of_the_whole_order(sizes, bs, buffer, world, rank,
+                                                                                   drop_last, even, seed, epoch):
+    # (shards of a store differ in size, and a shard may be empty: a window then closes
+    # between blocks of any size, and an empty block adds none)
+    s = ChunkShuffleBatchSampler(_Shards(sizes), bs, buffer_rows=buffer, seed=seed, rank=rank % world,
+                                 world_size=world, drop_last=drop_last, even=even)
+    s.set_epoch(epoch)
+    assert list(s) == _chunk_shuffle_batches_from_whole_order(s)
+
+
 def test_chunk_shuffle_first_batch_needs_one_window_not_the_whole_epoch():
     # The whole order of an epoch was built before the first batch: 8 bytes a row (400 MB
     # and 18 s for 50 million token rows, 8 GB for a billion). Of 2**40 rows that cannot be
