@@ -126,6 +126,46 @@ def writer_holding(backend: Any) -> str | None:
     return _holder_text(raw)
 
 
+def rank_writers_holding(backend: Any) -> list[str]:
+    """The rank stores ``ranks/<rank, 5 digits>`` under the local store at ``backend`` whose
+    writer lock a live process holds now (:func:`writer_holding`), each as ``"ranks/<rank> (pid
+    ... on host ...)"``, in rank order; empty when none, and for an object store (no such lock
+    outlives its writer there: not asked)."""
+    if not isinstance(backend, LocalBackend):
+        return []
+    folder = backend.root / "ranks"
+    try:
+        names = sorted(p.name for p in folder.iterdir() if len(p.name) == 5 and p.name.isdigit())
+    except OSError:  # (none, or not a folder)
+        return []
+    out = []
+    for name in names:
+        holder = writer_holding(LocalBackend(folder / name))
+        if holder is not None:
+            out.append(f"ranks/{name} ({holder})")
+    return out
+
+
+def refuse_rank_writers(backend: Any, what: str) -> None:
+    """Refuse ``what`` (``"overwrite=True"``, ``"resume=True"``) of the local store at
+    ``backend`` while a live process writes one of its rank stores (a multi-rank capture, or its
+    tasks without a process group, ``RankStore``): it would take them over.
+
+    Raises
+    ------
+    StoreLockedError
+        Such a rank store; its message names the store, the rank stores and their writers
+        (pid, host). Nothing was changed.
+    """
+    live = rank_writers_holding(backend)
+    if live:
+        shown = ", ".join(live[:4]) + (f" and {len(live) - 4} more" if len(live) > 4 else "")
+        raise StoreLockedError(
+            f"store {str(backend)!r}: its rank stores are being written ({shown}); {what} would take them over; "
+            "nothing was changed: wait for that capture (or its tasks) to finish, or stop it, then run again, or "
+            "write elsewhere")
+
+
 class WriterLock:
     """The exclusive writer lock of one store; :meth:`acquire` raises when another writer holds it.
 

@@ -46,7 +46,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
-from ._lock import WriterLock, writer_holding
+from ._lock import WriterLock, refuse_rank_writers, writer_holding
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .reader import other_feature_shape
@@ -185,6 +185,8 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool, aside:
                   adopt: bool = True) -> str | None:
     # a local overwrite of the capture moves the old store aside (FORMAT.md section 7), as one process
     local_aside = aside is not None and overwrite and isinstance(b, LocalBackend)
+    if overwrite or resume:  # (rank stores a live process writes: never taken over)
+        refuse_rank_writers(b, "overwrite=True" if overwrite else "resume=True")
     adopted = _adopt_aside(b) if local_aside and adopt else None
     raw = b.get("zarr.json")
     kept: dict | None = None  # the root a resume continues: its run (run_id, created) stays

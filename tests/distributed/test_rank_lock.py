@@ -161,3 +161,37 @@ def test_a_multi_rank_capture_killed_leaves_the_store_unlocked(old, tmp_path):
     assert writer_holding(B.resolve(str(store))) is None
     StoreWriter(str(store), overwrite=True).abort(RuntimeError("stop"))  # (not refused: nothing holds it)
     assert _files(store) == before and [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+
+
+def test_writers_of_a_store_whose_rank_tasks_are_writing_are_refused(tmp_path):
+    """Rank tasks without a process group (``RankStore``) hold no lock on the store, only on
+    their rank stores: an ``overwrite=True`` or ``resume=True`` of the store (one process, or a
+    multi-rank capture's rank 0) started while a task writes is refused, naming that rank store
+    and its writer, instead of moving the task's rank store away or removing it."""
+    import torch
+
+    import torchrun_capture as job
+
+    url = tmp_path / "s.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    scope = acs.ActivationScope(store=str(url), reductions=["mean"],
+                                store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(1, WORLD)})
+    with scope.track(model) as tracker, torch.no_grad():
+        tracker.set_batch(sample_ids=torch.arange(job.BATCH))
+        model(job.batch(1))
+        root = (url / "zarr.json").read_bytes()
+        for name, fn in {
+            "overwrite": lambda: StoreWriter(str(url), overwrite=True).abort(RuntimeError("took it")),
+            "resume": lambda: StoreWriter(str(url), resume=True).abort(RuntimeError("took it")),
+            "ranks overwrite": lambda: _prepare(str(url), WORLD, True, False, None, [], []),
+            "ranks resume": lambda: prepare_root(str(url), world_size=WORLD, resume=True),
+        }.items():
+            with pytest.raises(acs.StoreLockedError) as e:
+                fn()
+            text = str(e.value)
+            assert repr(str(url)) in text and f"ranks/00001 (pid {os.getpid()} on host" in text, (name, text)
+            assert (url / "zarr.json").read_bytes() == root and (url / "ranks" / "00001" / "zarr.json").exists()
+            assert [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+        model(job.batch(3))
+    st = acs.open_store(url / "ranks" / "00001")
+    assert st.status == "complete" and st.n_samples == 2 * job.BATCH and st.verify() == []
