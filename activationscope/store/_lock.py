@@ -6,7 +6,8 @@ key created with a conditional put (S3 ``If-None-Match: *``), deleted by :meth:`
 marker left by a writer that died on this host (or by a writer of this process dropped
 without a close) is taken over, one left from another host must be deleted by hand (the
 error says which). The lock file holds ``{"pid", "host",
-"started", "token"}`` of the holder, which the error of a second writer names.
+"started", "token"}`` of the holder (and ``role``, when it says what holds it: a multi-rank
+capture's rank 0), which the error of a second writer names.
 
 Readers never take the lock: they see the last commit.
 """
@@ -31,9 +32,20 @@ from ._validate import corrupt
 def _holder_text(raw: bytes | None) -> str:
     try:
         h = json.loads(raw or b"")
-        return f"pid {h['pid']} on host {h['host']!r} (since {h['started']})"
-    except (ValueError, KeyError, TypeError):
+        role = h.get("role")
+        what = f"{role[:200]}, " if isinstance(role, str) and role else ""
+        return f"pid {h['pid']} on host {h['host']!r} ({what}since {h['started']})"
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "another process (it has not written its pid yet)"
+
+
+def _holder_role(raw: bytes | None) -> str | None:
+    """The ``role`` the holder named in the lock file (a multi-rank capture's rank 0), or None."""
+    try:
+        role = json.loads(raw or b"").get("role")
+    except (ValueError, AttributeError):
+        return None
+    return role if isinstance(role, str) and role else None
 
 
 #: Tokens of the marker locks this process holds now (object stores): a marker of this process
@@ -114,6 +126,46 @@ def writer_holding(backend: Any) -> str | None:
     return _holder_text(raw)
 
 
+def rank_writers_holding(backend: Any) -> list[str]:
+    """The rank stores ``ranks/<rank, 5 digits>`` under the local store at ``backend`` whose
+    writer lock a live process holds now (:func:`writer_holding`), each as ``"ranks/<rank> (pid
+    ... on host ...)"``, in rank order; empty when none, and for an object store (no such lock
+    outlives its writer there: not asked)."""
+    if not isinstance(backend, LocalBackend):
+        return []
+    folder = backend.root / "ranks"
+    try:
+        names = sorted(p.name for p in folder.iterdir() if len(p.name) == 5 and p.name.isdigit())
+    except OSError:  # (none, or not a folder)
+        return []
+    out = []
+    for name in names:
+        holder = writer_holding(LocalBackend(folder / name))
+        if holder is not None:
+            out.append(f"ranks/{name} ({holder})")
+    return out
+
+
+def refuse_rank_writers(backend: Any, what: str) -> None:
+    """Refuse ``what`` (``"overwrite=True"``, ``"resume=True"``) of the local store at
+    ``backend`` while a live process writes one of its rank stores (a multi-rank capture, or its
+    tasks without a process group, ``RankStore``): it would take them over.
+
+    Raises
+    ------
+    StoreLockedError
+        Such a rank store; its message names the store, the rank stores and their writers
+        (pid, host). Nothing was changed.
+    """
+    live = rank_writers_holding(backend)
+    if live:
+        shown = ", ".join(live[:4]) + (f" and {len(live) - 4} more" if len(live) > 4 else "")
+        raise StoreLockedError(
+            f"store {str(backend)!r}: its rank stores are being written ({shown}); {what} would take them over; "
+            "nothing was changed: wait for that capture (or its tasks) to finish, or stop it, then run again, or "
+            "write elsewhere")
+
+
 class WriterLock:
     """The exclusive writer lock of one store; :meth:`acquire` raises when another writer holds it.
 
@@ -121,10 +173,16 @@ class WriterLock:
     ----------
     backend : StoreBackend
         The store's backend (local: a lock file; elsewhere: a marker object).
+    role : str, optional
+        What holds it, written to the lock file as ``role`` and named by the refusal of
+        another writer (a multi-rank capture's rank 0: ``"rank 0 of a multi-rank capture of N
+        ranks"``).
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, role: str | None = None) -> None:
         self.backend = backend
+        self.role = role
+        self._kept = False  # keep(): the `with` block ends without releasing it
         self.token = uuid.uuid4().hex
         self._fd: int | None = None
         self._held = False
@@ -134,7 +192,13 @@ class WriterLock:
 
     def _me(self) -> bytes:
         return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": F.utc_now(),
-                           "token": self.token}).encode()
+                           "token": self.token, **({"role": self.role} if self.role else {})}).encode()
+
+    def keep(self) -> "WriterLock":
+        """Keep the lock held past the end of the ``with`` block it was taken in (when that block
+        ends without an exception); :meth:`release` gives it back. Returns the lock."""
+        self._kept = True
+        return self
 
     def acquire(self) -> "WriterLock":
         """Take the lock.
@@ -176,6 +240,13 @@ class WriterLock:
             # marker of this process whose writer was dropped unclosed is taken over before this)
             extra = ("; that writer is in this process and still open: close it first (leave its `with` block, "
                      "or call its close(), tracker.remove() for a tracker)")
+        elif _holder_role(holder) is not None:
+            # (rank 0 holds it from its preparation of the store to its commit of the ranks' stores)
+            return StoreLockedError(
+                f"store {str(self.backend)!r} is being written by {_holder_text(holder)}: that capture's ranks write "
+                "their rank stores under it and its rank 0 commits them at its end; one writer at a time, nothing "
+                "was changed: wait for that capture to finish, or stop it (every rank: the lock goes with rank 0's "
+                f"process, however it ends) and run again, or write elsewhere{extra}")
         return StoreLockedError(
             f"store {str(self.backend)!r} is being written by {_holder_text(holder)}; one writer at a time: wait "
             f"for it to finish, or write elsewhere (overwrite=True is refused while a writer holds the store){extra}"
@@ -433,7 +504,8 @@ class WriterLock:
     def __exit__(self, *exc: Any) -> None:
         try:
             if exc[0] is None:
-                self.release()
+                if not self._kept:  # (kept: see keep)
+                    self.release()
             else:  # refused or failed: the target is left as it was found (see discard_root)
                 self.discard_root()
         except BaseException:  # interrupted (Ctrl-C) before that was done: done all the same

@@ -46,7 +46,7 @@ from . import _format as F
 from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
-from ._lock import WriterLock, writer_holding
+from ._lock import WriterLock, refuse_rank_writers, writer_holding
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .reader import other_feature_shape
@@ -107,18 +107,26 @@ def prepare_root(target: Any, *, world_size: int, overwrite: bool = False, resum
 
 
 def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storage_options: dict | None,
-             aside: list | None) -> str | None:
+             aside: list | None, held: list | None = None) -> str | None:
     """:func:`prepare_root`; with ``aside`` (a list: the capture's rank 0), a local overwrite
     moves the old store aside instead of deleting it and appends that folder to ``aside``
-    (the capture settles it: :meth:`RankSession.settle_aside`)."""
+    (the capture settles it: :meth:`RankSession.settle_aside`). With ``held`` (a list: the
+    capture's rank 0), a local store's writer lock is kept once the root is prepared and
+    appended to ``held``: rank 0 holds it until its commit is done (FORMAT.md section 10), so
+    no other writer, resume, overwrite or ``consolidate`` takes the store meanwhile."""
     b = resolve(target, storage_options=storage_options)
     check_backend_not_in_store(b)
     existed = True
     if isinstance(b, LocalBackend):
         existed = b.root.is_dir()  # (a folder that was not there holds nothing to take over)
         b.root.mkdir(parents=True, exist_ok=True)
-    with WriterLock(b):  # the store's writer lock, as every writer takes it
-        return _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+    keep = held is not None and isinstance(b, LocalBackend)  # (a flock: it dies with rank 0's process)
+    lock = WriterLock(b, role=f"rank 0 of a multi-rank capture of {int(world_size)} ranks" if keep else None)
+    with lock:  # the store's writer lock, as every writer takes it
+        run = _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+        if keep:
+            held.append(lock.keep())  # (kept past the with block: released by the capture's end)
+        return run
 
 
 def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, ranks_run: str | None) -> dict:
@@ -177,6 +185,8 @@ def _prepare_root(b: Any, world_size: int, overwrite: bool, resume: bool, aside:
                   adopt: bool = True) -> str | None:
     # a local overwrite of the capture moves the old store aside (FORMAT.md section 7), as one process
     local_aside = aside is not None and overwrite and isinstance(b, LocalBackend)
+    if overwrite or resume:  # (rank stores a live process writes: never taken over)
+        refuse_rank_writers(b, "overwrite=True" if overwrite else "resume=True")
     adopted = _adopt_aside(b) if local_aside and adopt else None
     raw = b.get("zarr.json")
     kept: dict | None = None  # the root a resume continues: its run (run_id, created) stays
@@ -868,6 +878,25 @@ def commit_ranks(target: Any, *, storage_options: dict | None = None,
     check_backend_not_in_store(b)  # (a multi-rank store made inside another one before that was refused)
     with WriterLock(b):  # one committer (or writer) at a time: a second one gets StoreLockedError
         return _commit_ranks(b, target, storage_options, make_reduction, world_size, verify)
+
+
+def _commit_held(root: str, lock: WriterLock, *, storage_options: dict | None,
+                 make_reduction: Callable[[str, str, dict], Any] | None, world_size: int) -> dict:
+    """:func:`commit_ranks` (``verify=False``) by the capture's rank 0 under the store's writer
+    lock ``lock`` it has held since its preparation of the store (:func:`_prepare`).
+
+    Raises
+    ------
+    StoreError
+        The lock no longer holds the store at ``root`` (its folder moved, removed or replaced
+        since): nothing is written there; else as :func:`commit_ranks`.
+    """
+    b = resolve(root, storage_options=storage_options)
+    why = lock.lost()
+    if why is not None:
+        raise StoreError(f"the multi-rank store {root!r} is no longer the one rank 0 prepared: {why} (moved, removed "
+                         "or replaced since); nothing was committed or written there")
+    return _commit_ranks(b, root, storage_options, make_reduction, world_size, False)
 
 
 def _is_rank_name(name: str) -> bool:
@@ -1722,26 +1751,39 @@ class RankSession:
         self._aside: list[Path] = []
         #: the old store was put back (the ranks committed nothing): every rank knows it after the close
         self.put_back = False
+        #: rank 0, local store: the store's writer lock, held from its preparation of the store
+        #: to the end of its commit (and of the settling of ``_aside``); one entry at most
+        self._held: list[WriterLock] = []
+
+    def _release_held(self) -> None:
+        """Rank 0: release the store's writer lock held since the preparation (nothing when none)."""
+        while self._held:
+            self._held.pop().release()
 
     def _settle_aside(self, committed: bool) -> str | None:
         """Rank 0, local ``overwrite=True``: once the ranks' commit is written (``committed``),
         delete the old store moved aside (its root document first, as one process does), under
         the store's writer lock as a one-process writer's close waits for that delete (readers
-        then say a running writer deletes the folder; when another writer took the store since
-        the commit, the delete goes on without the lock); else, every rank's store closed, put it
-        back whole in place of the new run's root and rank stores, under the store's writer
-        lock. Returns None when there was nothing to settle or it went well, else a sentence
+        then say a running writer deletes the folder): the lock held since the preparation
+        (``_held``, a local store), else taken now (when another writer took the store since the
+        commit, the delete goes on without it); else, every rank's store closed, put it back
+        whole in place of the new run's root and rank stores, under the store's writer lock
+        (not when the held lock no longer holds the store at the path: what is there is
+        never removed). Returns None when there was nothing to settle or it went well, else a sentence
         naming the folder that still holds the old store."""
         if not self._aside:
             return None
         aside = self._aside.pop()
+        held = self._held[0] if self._held else None  # (held since the preparation: released by the caller)
         if committed:
             with contextlib.suppress(OSError):
                 (aside / "zarr.json").unlink()
-            try:
-                lock: WriterLock | None = WriterLock(resolve(self.root, storage_options=self.storage_options)).acquire()
-            except Exception:  # noqa: BLE001 - (another writer holds the store now): the delete goes on all the same
-                lock = None
+            lock: WriterLock | None = None
+            if held is None:
+                try:
+                    lock = WriterLock(resolve(self.root, storage_options=self.storage_options)).acquire()
+                except Exception:  # noqa: BLE001 - (another writer holds the store now): the delete goes on all the same
+                    lock = None
             try:
                 _AsideDelete(aside).finish(self.root)  # (warns, naming the folder, when part of it stays)
             finally:
@@ -1750,8 +1792,14 @@ class RankSession:
             return None
         b = resolve(self.root, storage_options=self.storage_options)
         try:
-            with WriterLock(b):
+            if held is not None:
+                why = held.lost()
+                if why is not None:  # (what is at the path now is not this capture's: never removed)
+                    raise StoreError(f"the store at the path is no longer the one rank 0 prepared: {why}")
                 b.restore_aside(aside)
+            else:
+                with WriterLock(b):
+                    b.restore_aside(aside)
         except Exception as e:  # noqa: BLE001 - said by every rank
             return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
                     f"({type(e).__name__}: {e}); it is still whole there: with no writer running, move every entry "
@@ -1823,7 +1871,7 @@ class RankSession:
             if self.rank == 0:
                 try:
                     run_id = _prepare(self.root, self.world_size, overwrite, resume, opts.get("storage_options"),
-                                      self._aside)
+                                      self._aside, self._held)
                 except Exception as e:  # noqa: BLE001 - every rank must learn it
                     error = e
             try:
@@ -1851,11 +1899,14 @@ class RankSession:
                 raise StoreError(f"rank 0 could not prepare the store {self.root!r}: {seen[0]['error']}")
         except BaseException:  # (every rank raises here alike: nothing more to exchange)
             self._release_wait_group()
-            if self._aside:  # (rank 0: no rank writes; the old store goes back)
-                self.storage_options = opts.get("storage_options")
-                failed = self._settle_aside(committed=False)
-                if failed is not None:
-                    warn_at_caller(f"store {self.root!r}: {failed}", RuntimeWarning)
+            try:
+                if self._aside:  # (rank 0: no rank writes; the old store goes back)
+                    self.storage_options = opts.get("storage_options")
+                    failed = self._settle_aside(committed=False)
+                    if failed is not None:
+                        warn_at_caller(f"store {self.root!r}: {failed}", RuntimeWarning)
+            finally:
+                self._release_held()
             raise
         target = rank_target(self.root, self.rank)
         self.storage_options = opts.get("storage_options")
@@ -1889,6 +1940,7 @@ class RankSession:
             pass
         finally:
             self._release_wait_group()
+            self._release_held()
         if self.put_back:
             exc.add_note(f"the store that overwrite=True was to replace at {self.root!r} is put back as it was")
 
@@ -1948,6 +2000,7 @@ class RankSession:
             self._finish(w, live, exc, error, mine)
         finally:
             self._release_wait_group()
+            self._release_held()
 
     def _finish(self, w: Any, live: dict, exc: BaseException | None, error: BaseException | None,
                 mine: BaseException | None) -> None:
@@ -1986,8 +2039,12 @@ class RankSession:
                 t0 = time.monotonic()
                 # the ranks just wrote their shards with their crc32c: only the tails, read
                 # anyway, are checked again (consolidate checks every shard)
-                self.summary = commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
-                                            storage_options=self.storage_options, verify=False)
+                if self._held:  # (under the store's writer lock, held since the preparation)
+                    self.summary = _commit_held(self.root, self._held[0], make_reduction=make,
+                                                world_size=self.world_size, storage_options=self.storage_options)
+                else:
+                    self.summary = commit_ranks(self.root, make_reduction=make, world_size=self.world_size,
+                                                storage_options=self.storage_options, verify=False)
                 self.timings["commit_s"] = time.monotonic() - t0
             except BaseException as e:  # noqa: BLE001
                 outcome = f"{type(e).__name__}: {e}"

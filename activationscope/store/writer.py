@@ -68,7 +68,7 @@ from ._backend import (LocalBackend, ran_out_of_room, check_backend_not_in_store
 from ._backend import _inside as _inside_folder
 from ._backend import folds_names as _folds_names
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
-from ._lock import WriterLock
+from ._lock import WriterLock, refuse_rank_writers
 
 
 ROW_KINDS = F.ROW_KINDS
@@ -1392,6 +1392,8 @@ class StoreWriter:
         adopted = None  # overwrite: the folder an interrupted overwrite moved the old store into
         moved = ""  # a local folder with no root document whose root an interrupted overwrite moved aside
         if isinstance(b, LocalBackend) and (overwrite or resume):
+            # (rank stores a live process writes under it: never taken over, FORMAT.md section 10)
+            refuse_rank_writers(b, "overwrite=True" if overwrite else "resume=True")
             b.drop_empty_aside_folders()
             if overwrite and not self._writer_lock.created_root:  # (a folder that was not there holds nothing)
                 self._drop_unstarted_store()

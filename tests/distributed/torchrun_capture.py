@@ -21,6 +21,9 @@ its root document (``zarr.json``) is written, and waits there (at most 300 s, th
 for torchrun to stop it once another rank dies: a rank stopped while it was still creating its rank store.
 With ``ACS_TEST_NO_GLOO_GROUP=1`` in the environment, ``torch.distributed.new_group(backend="gloo")``
 raises, as where gloo finds no network interface (the default group is made without it).
+``--hold FILE --hold-at batch|commit``: rank 0 stops before its last batch (``batch``: every rank's
+store open) or before its commit of the rank stores (``commit``: every rank's store closed), writes
+FILE + ".held" and waits (at most 300 s, then ``os._exit(5)``) for FILE + ".go" to exist.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def main() -> None:
     p.add_argument("--alive-s", type=float, default=0.0)
     p.add_argument("--fail-attach-rank", type=int, default=-1)
     p.add_argument("--stall-before-rank-root", action="store_true")
+    p.add_argument("--hold", default=None)
+    p.add_argument("--hold-at", choices=["batch", "commit"], default="batch")
     p.add_argument("--segment-shards", type=int, default=0, help="manifest segments of this many shards")
     args = p.parse_args()
     if args.segment_shards:  # (store/FORMAT.md section 5: every rank store and the commit seal them so)
@@ -133,6 +138,27 @@ def main() -> None:
             os._exit(4)
 
         writer.write_root_first = stalled_root
+    def hold() -> None:  # (a file the test writes lets it go on: no timing decides anything)
+        with open(args.hold + ".held", "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.hold + ".go"):
+            if time.monotonic() > deadline:
+                os._exit(5)
+            time.sleep(0.02)
+
+    if rank == 0 and args.hold and args.hold_at == "commit":
+        from activationscope.store import ranks as ranks_module
+
+        def held(commit):
+            def held_commit(*a, **kw):
+                hold()
+                return commit(*a, **kw)
+            return held_commit
+
+        for name in ("commit_ranks", "_commit_held"):  # (rank 0 commits with the second, under the store's lock)
+            if hasattr(ranks_module, name):
+                setattr(ranks_module, name, held(getattr(ranks_module, name)))
     if rank == args.fail_open_rank:
         from activationscope.store import writer
 
@@ -188,6 +214,8 @@ def main() -> None:
                     os._exit(3)
 
                 model[2].register_forward_hook(die)
+            if rank == 0 and args.hold and args.hold_at == "batch" and i == len(batches_of(rank, world)) - 1:
+                hold()
             if rank == 0 and args.slow_rank0_s and i == len(batches_of(rank, world)) - 1:
                 time.sleep(args.slow_rank0_s)
             tracker.set_batch(sample_ids=torch.arange(b * BATCH, (b + 1) * BATCH))
