@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import linecache
 import sys
+import threading
 import weakref
 from typing import Optional
 
@@ -334,6 +335,23 @@ def run_killed_at_delete(code: str, at: int, *args: str, path=(), timeout: float
         shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 9, f"the script was to die at its delete {at}, it ended with {done.returncode}:\n" \
                                  f"{done.stdout}\n{done.stderr}"
+
+
+def hold_aside_delete(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold every background delete of a replaced store's folder (``writer._delete_aside``)
+    until the first event is set (30 s at most); the second is set when one starts."""
+    from activationscope.store import writer as W
+
+    go, started = threading.Event(), threading.Event()
+    delete = W._delete_aside
+
+    def held(p):
+        started.set()
+        go.wait(30)  # (bounded: the test sets it)
+        return delete(p)
+
+    monkeypatch.setattr(W, "_delete_aside", held)
+    return go, started
 
 
 def count_store_reads(monkeypatch) -> dict:

@@ -20,7 +20,7 @@ from activationscope.store import StoreWriter
 from activationscope.store import _backend as B
 from activationscope.store.ranks import commit_ranks, prepare_root
 
-from acs_testing import Killed, die_at, run_killed_at_delete, store_target
+from acs_testing import Killed, die_at, hold_aside_delete, run_killed_at_delete, store_target
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -334,7 +334,6 @@ def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by
     writer was killed and gave an rm -rf of it), and a resume waits rather than deleting it too."""
     import threading
 
-    from activationscope.store import writer as W
     from activationscope.store._lock import writer_holding
     from activationscope.store.ranks import RankSession
 
@@ -346,15 +345,7 @@ def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by
             model(job.batch(0))
     aside = tmp_path / ".s.zarr.replaced-0123abcd"  # (the old store, as rank 0 moved it aside)
     shutil.copytree(tmp_path / "old.zarr", aside, ignore=shutil.ignore_patterns(B.LOCK_KEY))
-    go, started = threading.Event(), threading.Event()
-    delete = W._delete_aside
-
-    def held(p):
-        started.set()
-        go.wait(30)  # (bounded: released below)
-        return delete(p)
-
-    monkeypatch.setattr(W, "_delete_aside", held)
+    go, started = hold_aside_delete(monkeypatch)
     session = RankSession(None, 0, WORLD, str(url))
     session._aside.append(aside)
     settling = threading.Thread(target=session._settle_aside, args=(True,))

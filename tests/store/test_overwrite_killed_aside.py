@@ -22,6 +22,7 @@ import torch
 from activationscope.errors import StoreError, StoreExistsError
 from activationscope.store import StoreWriter, copy_store, open_store
 
+from acs_testing import hold_aside_delete
 from hostile import FEATURE, HP, FailsAt, make_store, overwrite_capture, run_python
 
 LOCK = ".activationscope-writer.lock"
@@ -598,19 +599,10 @@ def test_the_old_store_a_running_writer_deletes_is_not_said_to_be_left_by_a_kill
     deleted by the running writer (its pid), nothing to do; opening the store says nothing. (Before,
     they said its writer was killed and gave an rm -rf of the folder the writer was deleting.)"""
     from activationscope import cli
-    from activationscope.store import writer as W
 
     path = tmp_path / "s.zarr"
     make_store(path, n_rows=96)
-    go, started = threading.Event(), threading.Event()
-    delete = W._delete_aside
-
-    def held(p):
-        started.set()
-        go.wait(30)  # (bounded: released below)
-        return delete(p)
-
-    monkeypatch.setattr(W, "_delete_aside", held)
+    go, started = hold_aside_delete(monkeypatch)
     w, rows = _overwrite_writer(path)
     (aside,) = _asides(tmp_path)
     try:
