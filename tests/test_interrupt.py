@@ -163,6 +163,33 @@ class _InterruptInFunction:
         return self._line
 
 
+class _InterruptAtLine:
+    """Raise KeyboardInterrupt the ``nth`` time a line holding ``text`` of the function ``name``
+    of ``module_file`` is run; ``raised``: whether it was."""
+
+    def __init__(self, module_file: str, name: str, text: str, nth: int) -> None:
+        self.file, self.name, self.text, self.nth, self.seen, self.raised = module_file, name, text, nth, 0, False
+
+    def __enter__(self):
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        code = frame.f_code
+        return self._line if code.co_name == self.name and code.co_filename == self.file else None
+
+    def _line(self, frame, event, arg):
+        if event == "line" and self.text in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            self.seen += 1
+            if self.seen == self.nth:
+                self.raised = True
+                raise KeyboardInterrupt(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        return self._line
+
+
 @pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
 def test_ctrl_c_at_each_line_of_the_writer_close_then_the_cell_again(tmp_path, stop):
     # a Ctrl-C at each line of StoreWriter.close (the cell's loop ended, or raised), the cell then run again as after any
@@ -205,6 +232,74 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_the_cell_again(tmp_path, s
         store = acs.open_store(path)
         assert store.status == "complete", k
         assert torch.equal(store["1.output"], want), k
+
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
+def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_again(tmp_path, monkeypatch, stop):
+    # a Ctrl-C in StoreWriter.close after the first array's partial shard was handed to the writer
+    # thread (its encoding held until the threads are stopped, or until the store that holds no row
+    # is being removed): the thread went on writing after the close had released the lock, its
+    # shard landed in the folder being removed, the removal failed and left a folder without
+    # zarr.json that the cell run again refused
+    import os
+    import threading
+
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    gate, trackers = threading.Event(), []
+    make_encoder, stop_threads, rmdir = W.F.numcodecs_encoder, W.StoreWriter._stop_threads, os.rmdir
+
+    class HeldEncoder:
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def encode(self, data):
+            gate.wait(30)  # (bounded: a test that hangs fails)
+            return self.encoder.encode(data)
+
+        def __getattr__(self, name):  # (decode, as the codec's)
+            return getattr(self.encoder, name)
+
+    def stopping(self):
+        gate.set()
+        stop_threads(self)
+
+    def removing(name, *args, **kwargs):
+        if str(name).endswith("0.output"):  # (the array whose shard the close handed over)
+            gate.set()
+            trackers[-1].writer._core.drain()  # the shard is written now, as the folder is removed
+        return rmdir(name, *args, **kwargs)
+
+    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: HeldEncoder(make_encoder(codec)))
+    monkeypatch.setattr(W.StoreWriter, "_stop_threads", stopping)
+    monkeypatch.setattr(os, "rmdir", removing)
+
+    def cell(path, stop=None):
+        scope = acs.ActivationScope(store=path, store_options=dict(commit_interval=0, compression="zstd"))
+        with torch.no_grad(), scope.track(model) as tracker:
+            trackers.append(tracker)
+            for x in xs:
+                model(x)
+                if stop is not None:
+                    raise KeyboardInterrupt("in the loop")
+
+    path = tmp_path / "s.zarr"
+    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            cell(path, stop=stop or None)
+    assert at.raised
+    assert not path.exists() or not any(path.iterdir())
+    cell(path)
+    store = acs.open_store(path)
+    assert store.status == "complete"
+    assert torch.equal(store["1.output"], want)
 
 
 def test_interrupt_at_leaves_out_callbacks_run_by_weakref_finalize():

@@ -4589,6 +4589,14 @@ class StoreWriter:
             self._encoder_thread.join()
             _ENCODING.pop(self._encoder_thread, None)
 
+    def _stop_threads_left_running(self) -> None:
+        """:meth:`_stop_threads` where a close, abort or discard was interrupted (a Ctrl-C)
+        before it stopped them: the chunks handed to the writer thread are written now, before
+        the store is settled, cleaned or removed and its lock released, never after (a shard
+        written into a store being removed left a folder with no root document)."""
+        if not self._threads_stopped:
+            self._stop_threads()
+
     def _other_process(self) -> bool:
         """Whether this is a copy of the writer in a process forked after it was made."""
         return os.getpid() != getattr(self, "_pid", os.getpid())
@@ -4676,6 +4684,7 @@ class StoreWriter:
                 # of earlier writers went before its first write: no walk of the store's folders
                 clean = not self._failing
             finally:
+                self._stop_threads_left_running()
                 if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
                     self._settle_aside(keep_new=False)
                 try:
@@ -4717,6 +4726,7 @@ class StoreWriter:
                                RuntimeWarning)
             finally:
                 try:
+                    self._stop_threads_left_running()
                     if self._aside is not None:  # overwrite, and the new store committed no row: the old one back
                         self._settle_aside(keep_new=False)
                     try:
@@ -4782,6 +4792,7 @@ class StoreWriter:
         from ._remove import remove_if_empty
 
         try:
+            self._stop_threads_left_running()  # (a close interrupted before: no shard is written as it goes)
             return remove_if_empty(self._backend, remove_folder=self._writer_lock.created_root)
         except Exception as e:  # noqa: BLE001 - the caller's error stays the one raised
             warn_at_caller(f"store {str(self._backend)!r}: removing the store that holds no row failed: {e}",
@@ -4807,6 +4818,7 @@ class StoreWriter:
         ``remove_if_empty`` (local, inside the store) and their subfolders that hold no file.
         A writer whose store is no longer at its path (:meth:`_store_lost`) touches no file
         there: it releases its resources and lock only."""
+        self._stop_threads_left_running()
         if self._store_lost() is not None:  # (its kept and held files are where the store went: left there)
             walk, remove_if_empty = False, ()
             self._keep_held = True
