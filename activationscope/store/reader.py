@@ -106,6 +106,8 @@ def _available_memory_bytes() -> int | None:
 #: The share of :func:`_available_memory_bytes` one copy made by ``store[...]`` may take: a larger
 #: copy raises instead of being killed by the kernel's out-of-memory killer half way through.
 _COPY_MEMORY_SHARE = 0.9
+#: Copies smaller than this are never checked against the memory available.
+_COPY_CHECK_BYTES = 64 << 20
 
 
 def _default_map_budget() -> int:
@@ -1168,11 +1170,11 @@ class Store:
         """Raise before ``store[...]`` copies rows ``r`` of ``hook_point`` into more memory than
         the system has available (``_COPY_MEMORY_SHARE`` of ``MemAvailable``): such a copy is
         killed by the out-of-memory killer, not refused. A read that is a view copies nothing."""
-        available = _available_memory_bytes()
-        if available is None:
-            return
         nbytes = len(r) * V.row_bytes(self._meta(hook_point))
-        if nbytes <= _COPY_MEMORY_SHARE * available:
+        if nbytes < _COPY_CHECK_BYTES:  # (small reads skip reading /proc/meminfo)
+            return
+        available = _available_memory_bytes()
+        if available is None or nbytes <= _COPY_MEMORY_SHARE * available:
             return
         lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
         if r.step > 0 and self._span_is_view(hook_point, lo, hi):

@@ -33,6 +33,7 @@ def _capture(path, compression=None):
 def test_a_copy_larger_than_available_memory_raises(tmp_path, monkeypatch, layout):
     ref = _capture(tmp_path / "s.zarr", compression="zstd" if layout == "compressed" else None)
     monkeypatch.setattr(R, "_MAP_BUDGET", 2)  # fewer mappings than the array's 5 shards: no single view
+    monkeypatch.setattr(R, "_COPY_CHECK_BYTES", 0)  # (every copy checked, however small)
     st = acs.open_store(tmp_path / "s.zarr")
     nbytes = ROWS * D * 4
     monkeypatch.setattr(R, "_available_memory_bytes", lambda: nbytes // 2)
@@ -54,10 +55,24 @@ def test_a_view_is_never_refused(tmp_path, monkeypatch):
     """A view copies nothing: the whole array mapped back to back reads whatever the memory."""
     ref = _capture(tmp_path / "s.zarr")
     st = acs.open_store(tmp_path / "s.zarr")
+    monkeypatch.setattr(R, "_COPY_CHECK_BYTES", 0)
     monkeypatch.setattr(R, "_available_memory_bytes", lambda: 1)
     got = st["output"]
     assert torch.equal(got, ref)
     assert st._span_is_view("output", 0, ROWS)
+
+
+def test_a_copy_below_the_check_size_does_not_read_the_available_memory(tmp_path, monkeypatch):
+    """Reads smaller than ``_COPY_CHECK_BYTES`` (here all of them) are read without opening
+    /proc/meminfo: a batch read pays no file read for the check."""
+    ref = _capture(tmp_path / "s.zarr", compression="zstd")
+
+    def unread():
+        raise AssertionError("MemAvailable read for a small copy")
+
+    monkeypatch.setattr(R, "_available_memory_bytes", unread)
+    st = acs.open_store(tmp_path / "s.zarr")
+    assert torch.equal(st["output"], ref) and torch.equal(st["output", 3:9], ref[3:9])
 
 
 def test_available_memory_is_read_from_meminfo():
