@@ -318,18 +318,25 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         ds = ActivationDataset(src, hook_points=names, rows=rows, filter=filter, sample_ids=sample_ids)
     if lost:  # rows as stored: no row-table column lines up with them
         ds._export_columns = []  # type: ignore[attr-defined]
+        ds._export_table = None  # type: ignore[attr-defined]
         return ds
-    # the columns it writes are read (every one when columns= is not given)
-    ds._columns_read = None if columns is None else _names(columns, "columns", "row-table column names")
-    table = ds._row_table()
-    # (a column named twice is exported once, as the dataset reads it)
-    chosen = _default_columns(ds, table.column_names) if columns is None else list(dict.fromkeys(
-        _names(columns, "columns", "row-table column names")))
-    missing = [c for c in chosen if c not in table.column_names]
-    if missing:
-        raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table of {ds.source.describe()}; "
-                                 f"it has {table.column_names}{column_hint(missing, table.column_names)}")
+    if columns is None:  # every column read (and cached by the source, as its whole table is)
+        ds._columns_read = None
+        table = ds._row_table()
+        chosen = _default_columns(ds, table.column_names)
+    else:
+        # (a column named twice is exported once, as the dataset reads it)
+        chosen = list(dict.fromkeys(_names(columns, "columns", "row-table column names")))
+        have = ds._row_columns()  # (from the tables' schemas: no column decoded for it)
+        missing = [c for c in chosen if c not in have]
+        if missing:
+            raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table of "
+                                     f"{ds.source.describe()}; it has {have}{column_hint(missing, have)}")
+        # only the columns it writes are decoded (of a token table of 10**8 rows, not every
+        # column), held by this export alone: the source caches no table of them
+        table = ds._row_table(chosen)
     ds._export_columns = chosen  # type: ignore[attr-defined]
+    ds._export_table = table  # type: ignore[attr-defined]
     return ds
 
 
@@ -397,13 +404,22 @@ def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
     return ds._row_table().column_names if columns is None else list(ds.columns)
 
 
+def _export_table(ds: ActivationDataset, col_names: list[str]) -> pa.Table | None:
+    """The row table of the export's store rows with (at least) the columns ``col_names``, read
+    once by :func:`_dataset_for`; None when no column is exported."""
+    if not col_names:
+        return None
+    table = getattr(ds, "_export_table", None)
+    return table if table is not None else ds._row_table(col_names)
+
+
 def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str, format: str) -> pa.Schema:
     if tensor_type not in ("fixed_shape_tensor", "fixed_size_list"):
         raise ArgumentValueError(f"tensor_type must be one of ['fixed_shape_tensor', 'fixed_size_list'], got {tensor_type!r}")
     fields = []
     for hp in ds.hook_points:
         fields.append(_hook_point_field(hp, ds.source.dtype(hp), ds.source.feature_shape(hp), tensor_type, format))
-    table = ds._row_table() if col_names else None
+    table = _export_table(ds, col_names)
     for name in col_names:
         if name in ds.hook_points:
             raise ArgumentValueError(f"row-table column {name!r} clashes with a hook point of the same name")
@@ -414,7 +430,7 @@ def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str, forma
 
 
 def _record_batches(ds: ActivationDataset, schema: pa.Schema, col_names: list[str], batch_rows: int):
-    table = ds._row_table() if col_names else None
+    table = _export_table(ds, col_names)
     ids = ds.store_rows()
     n = len(ds)
     for start in range(0, n, batch_rows):
@@ -789,7 +805,7 @@ def _hf_plan(ds: ActivationDataset, col_names: list[str], context_size: int | No
     import datasets
 
     group = () if context_size is None else (context_size,)
-    table = ds._row_table() if col_names else None
+    table = _export_table(ds, col_names)
     features: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for hp in ds.hook_points:
@@ -825,7 +841,7 @@ def _hf_tables(ds: ActivationDataset, features: Any, shapes: dict[str, tuple[int
     per_row = max([1] + [int(np.prod(shapes[hp][1 if context_size else 0:])) for hp in ds.hook_points])
     step = max(group, min(batch_rows, _HF_MAX_VALUES // per_row) // group * group)
     schema = features.arrow_schema
-    table = ds._row_table() if col_names else None
+    table = _export_table(ds, col_names)
     ids = ds.store_rows()
     for start in range(0, n_rows, step):
         stop = min(start + step, n_rows)

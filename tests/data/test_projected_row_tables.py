@@ -10,6 +10,7 @@ those of the whole table's (computed here with plain pyarrow)."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
@@ -205,3 +206,54 @@ def test_token_rows_take_their_sample_columns_with_one_index_of_the_rows():
         tracemalloc.stop()
     assert got["label"].to_numpy().tolist() == np.repeat(np.arange(n_samples) % 3, per).tolist()
     assert peak < 2 * nt * 8, peak  # (before: 18 MB, now 9)
+
+
+def _exported(fmt, path):
+    """The row-table columns of an export as a pyarrow Table (an HF folder's data included)."""
+    import pyarrow.parquet as pq
+
+    if fmt == "arrow":
+        with pa.ipc.open_file(pa.memory_map(str(path))) as f:
+            return f.read_all()
+    if fmt == "hf":
+        import datasets
+
+        return datasets.load_from_disk(str(path)).data.table
+    return pq.read_table(str(path))
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet", "hf"])
+def test_an_export_with_columns_reads_those_columns(token_store, decoded, tmp_path, fmt):
+    """export_* with columns= read every column of the row table (the per-sample text of each
+    token row joined on, too) and the source cached it: it decodes the columns it writes and
+    their join keys, and writes the same file as an export of every column, those selected."""
+    from activationscope.data import export_arrow, export_hf, export_parquet
+
+    if fmt == "hf":
+        pytest.importorskip("datasets")
+    export = {"arrow": export_arrow, "parquet": export_parquet, "hf": export_hf}[fmt]
+    tokens, labels = _whole(token_store)
+    whole = _exported(fmt, export(token_store, tmp_path / "all", batch_rows=7))
+    decoded.clear()
+    ds = ActivationDataset(token_store, filter=pc.field("pos") > 0)
+    decoded.clear()
+    got = _exported(fmt, export(ds, tmp_path / "some", columns=["label", "tag"], batch_rows=7))
+    assert "text" not in _columns_decoded(decoded)
+    assert ds.source._tables == {}  # no whole table kept
+    want = np.flatnonzero(tokens["pos"].to_numpy() > 0)
+    assert got.column_names == ["1.output", "label", "tag"]
+    assert got["tag"].to_pylist() == tokens["tag"].to_numpy()[want].tolist()
+    assert got["label"].to_pylist() == labels[want].tolist()
+    full = whole.take(pa.array(want, pa.int64()))
+    for name in got.column_names:
+        assert got[name].combine_chunks().equals(full[name].combine_chunks()), name
+    assert got.schema.field("label") == whole.schema.field("label")
+
+
+def test_an_export_with_no_columns_decodes_none(token_store, decoded, tmp_path):
+    from activationscope.data import export_parquet
+
+    decoded.clear()
+    got = _exported("parquet", export_parquet(token_store, tmp_path / "x.parquet", columns=[]))
+    assert got.column_names == ["1.output"]
+    assert _columns_decoded(decoded) <= {"pos", "batch", "rank"}  # (the table's checks)
