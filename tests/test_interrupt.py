@@ -136,12 +136,12 @@ def test_ctrl_c_as_the_spare_file_thread_starts_leaves_no_store(tmp_path, monkey
     assert acs.open_store(path).status == "complete" and acs.open_store(path).n_samples == 6
 
 
-class _InterruptInFunction:
-    """Raise KeyboardInterrupt at the ``at``-th line run in the functions named ``names`` of
-    ``module_file`` (their own lines, not those of what they call); ``n``: lines counted."""
+class _Tracing:
+    """Trace the lines of the functions of ``self.file`` named in ``self.names`` (their own
+    lines, not those of what they call) with ``self._line`` while entered."""
 
-    def __init__(self, module_file: str, names: tuple, at: int | None) -> None:
-        self.file, self.names, self.at, self.n = module_file, names, at, 0
+    file: str
+    names: tuple
 
     def __enter__(self):
         sys.settrace(self._call)
@@ -155,6 +155,17 @@ class _InterruptInFunction:
         return self._line if code.co_name in self.names and code.co_filename == self.file else None
 
     def _line(self, frame, event, arg):
+        raise NotImplementedError
+
+
+class _InterruptInFunction(_Tracing):
+    """Raise KeyboardInterrupt at the ``at``-th line run in the functions named ``names`` of
+    ``module_file`` (their own lines, not those of what they call); ``n``: lines counted."""
+
+    def __init__(self, module_file: str, names: tuple, at: int | None) -> None:
+        self.file, self.names, self.at, self.n = module_file, names, at, 0
+
+    def _line(self, frame, event, arg):
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
         if event == "line" and not line.startswith(("with ", "try:")):
             self.n += 1
@@ -163,23 +174,12 @@ class _InterruptInFunction:
         return self._line
 
 
-class _InterruptAtLine:
+class _InterruptAtLine(_Tracing):
     """Raise KeyboardInterrupt the ``nth`` time a line holding ``text`` of the function ``name``
     of ``module_file`` is run; ``raised``: whether it was."""
 
     def __init__(self, module_file: str, name: str, text: str, nth: int) -> None:
-        self.file, self.name, self.text, self.nth, self.seen, self.raised = module_file, name, text, nth, 0, False
-
-    def __enter__(self):
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-
-    def _call(self, frame, event, arg):
-        code = frame.f_code
-        return self._line if code.co_name == self.name and code.co_filename == self.file else None
+        self.file, self.names, self.text, self.nth, self.seen, self.raised = module_file, (name,), text, nth, 0, False
 
     def _line(self, frame, event, arg):
         if event == "line" and self.text in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
