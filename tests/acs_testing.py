@@ -367,9 +367,9 @@ def count_store_reads(monkeypatch) -> dict:
         counts["opens"] += 1
         return init(self, *args, **kwargs)
 
-    def counted_row_table(self, kind="sample", columns=None):
+    def counted_row_table(self, kind="sample", columns=None, **kwargs):
         counts["row_tables"].append((kind, None if columns is None else list(columns)))
-        return row_table(self, kind, columns) if columns is not None else row_table(self, kind)
+        return row_table(self, kind, columns, **kwargs) if columns is not None else row_table(self, kind, **kwargs)
 
     monkeypatch.setattr(reader.Store, "__init__", counted_init)
     monkeypatch.setattr(reader.Store, "row_table", counted_row_table)
