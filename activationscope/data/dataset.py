@@ -716,7 +716,8 @@ class ActivationDataset(Dataset):
         callable ``f(table: pyarrow.Table) -> bool mask (rows,)`` (pyarrow / numpy / torch /
         list) over the row table. Evaluated once, in the constructor. An expression reads
         the columns whose names it holds (and the row table's checks theirs), a callable the
-        whole table; neither is kept after the constructor.
+        whole table, as does an expression naming a column by its position (``pc.field(1)``:
+        a position in the whole table); neither is kept after the constructor.
     sample_ids : collection of int, optional
         Keep rows of these samples only (every token row of a sample for token hook points):
         a list, tuple, set, range, 1-D integer Tensor or numpy array, or one int (a collection
@@ -976,12 +977,16 @@ class ActivationDataset(Dataset):
         """The row-table columns ``filter=`` and ``sample_ids=`` read: ``sample_id``, and every
         column whose name is in the expression's text (a superset of the fields it names:
         an expression that names another reads the whole table, see :meth:`_apply_filter`);
-        None (every column) for a callable, which sees the whole table."""
+        None (every column) for a callable, which sees the whole table, and for an expression
+        that names a column by its position (``pc.field(3)``: the 4th column of the whole
+        table, another one of a table of some columns)."""
         if filter is not None and not isinstance(filter, pc.Expression):
             return None
         names = ["sample_id"] if sample_ids is not None else []
         if filter is not None:
             text = str(filter)
+            if "FieldPath(" in text:  # (how str() shows a field named by position)
+                return None
             names += [c for c in self._row_columns() if c in text and c not in names]
         return names
 

@@ -257,3 +257,20 @@ def test_an_export_with_no_columns_decodes_none(token_store, decoded, tmp_path):
     got = _exported("parquet", export_parquet(token_store, tmp_path / "x.parquet", columns=[]))
     assert got.column_names == ["1.output"]
     assert _columns_decoded(decoded) <= {"pos", "batch", "rank"}  # (the table's checks)
+
+
+@pytest.mark.parametrize("sample_ids", [None, list(range(3, 20))])
+def test_a_filter_naming_a_column_by_its_position_sees_the_whole_table(token_store, sample_ids):
+    """``pc.field(i)`` names the i-th column of the whole row table: a table of only the
+    columns named in the expression's text put another column (or a row number) at that place,
+    and the filter selected by it without a word."""
+    tokens, _ = _whole(token_store)
+    ids = tokens["sample_id"].to_numpy()
+    keep = ids >= 5 if sample_ids is None else (ids >= 5) & np.isin(ids, sample_ids)
+    ds = ActivationDataset(token_store, filter=pc.field(0) >= 5, sample_ids=sample_ids)
+    assert ds.store_rows().tolist() == np.flatnonzero(keep).tolist()
+    pos, tag = tokens["pos"].to_numpy(), tokens["tag"].to_numpy()  # (column 1, column 3)
+    keep = (pos > 0) & (tag < 2) & (True if sample_ids is None else np.isin(ids, sample_ids))
+    ds = ActivationDataset(token_store, filter=(pc.field(1) > 0) & (pc.field("tag") < 2), sample_ids=sample_ids,
+                           columns=["tag"])
+    assert ds.store_rows().tolist() == np.flatnonzero(keep).tolist()
