@@ -889,36 +889,35 @@ class ActivationDataset(Dataset):
                 names += [c for c in samples if c not in names]
         return names
 
-    def _with_sample_columns_read(self, tokens: pa.Table, names: list[str]) -> pa.Table:
-        """The columns ``names`` of token rows (``tokens``, those of them the token table has):
-        with the per-sample ones among them, read with their samples' keys (only those columns
-        of both tables decoded), see :func:`_with_sample_columns`."""
+    def _token_columns(self, names: list[str]) -> pa.Table:
+        """The columns ``names`` of the token rows (those the token table or its samples have),
+        in the order of ``names``, the token table's own columns first: the per-sample ones
+        read with their samples' keys, in one read of each table (only those columns of both
+        tables decoded), see :func:`_with_sample_columns`."""
         own = self.source.row_schema("token").names
-        if not any(c not in own for c in names):
-            return tokens
-        keys = [k for k in _SAMPLE_KEY if k in own and k not in tokens.column_names]
-        if keys:
-            tokens = self.source.row_table("token", [*tokens.column_names, *keys])
-        table = _with_sample_columns(tokens, self.source, names, own)
+        if all(c in own for c in names):
+            return self.source.row_table("token", names)
+        keys = [k for k in _SAMPLE_KEY if k in own and k not in names]
+        table = _with_sample_columns(self.source.row_table("token", [*names, *keys]), self.source, names, own)
         return table.select([c for c in table.column_names if c in names])
 
     def _row_table(self, names: list[str] | None = None) -> pa.Table:
         """The row table of the dataset's store rows (token rows with their sample's columns),
         checked against the hook points' rows. ``names``: only these columns are read (those
-        the tables have: the others are left out), in the tables' order; None: every column.
+        the tables have: the others are left out), in their order (a token table's own columns
+        first); None: every column.
 
         Raises ArgumentValueError for hook points that do not follow the row table, and
         StoreCorruptError where the table and the rows disagree."""
         self._refuse_lost()
         if names is None:
             table = self.source.row_table(self.row_kind)
+            if self.row_kind == "token":
+                table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
+        elif self.row_kind == "token":
+            table = self._token_columns(names)
         else:
             table = self.source.row_table(self.row_kind, names)
-        if self.row_kind == "token":
-            if names is None:
-                table = _with_sample_columns(table, self.source, getattr(self, "_columns_read", None))
-            else:
-                table = self._with_sample_columns_read(table, names)
         if table.num_rows > self.n_store_rows:  # rows committed for other hook points only
             attrs = getattr(getattr(self.source, "store", None), "attrs", None)
             dist = attrs.get("distributed") if isinstance(attrs, dict) else None
