@@ -427,12 +427,6 @@ class ChunkShuffleBatchSampler(_BatchSampler):
                 if win_start >= b:
                     return
 
-    def _order(self) -> torch.Tensor:
-        """The whole epoch's order, int64 ``(n,)`` (8 bytes per row: :meth:`__iter__` builds
-        it one window at a time instead)."""
-        parts = [rows for _, rows in self._windows(0, self.n) if rows is not None]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-
     def __iter__(self) -> Iterator[list[int]]:
         # The batches of :meth:`_BatchSampler.__iter__` (this rank's part of the order, cut
         # into batch_size), taken from each window as it is built: the first batch comes after
