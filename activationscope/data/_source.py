@@ -82,22 +82,15 @@ class RowSource(Protocol):
         ``(lo, hi)``: hints for rows within ``[lo, hi)`` would do nothing until the next
         hint outside it (the reader then skips them)."""
 
-def _projected_row_table(store: Any, kind: str, names: list[str]) -> tuple[Any, Any]:
-    """``(table, full schema or None)``: the columns ``names`` of ``store``'s row table of
-    ``kind``, projected by the store where its ``row_table`` takes ``columns`` (and ``_schemas``,
-    the full schema, as :class:`activationscope.store.Store` does), else read whole and selected."""
+
+def _row_table_parameters(store: Any) -> Any:
+    """The parameters of ``store.row_table`` (``columns`` where it projects, and ``_schemas``,
+    the full schema, as :class:`activationscope.store.Store` takes them); none where they
+    cannot be read."""
     try:
-        params = inspect.signature(store.row_table).parameters
+        return inspect.signature(store.row_table).parameters
     except (TypeError, ValueError):
-        params = {}
-    if "columns" not in params:
-        table = store.row_table(kind)
-        return table.select([c for c in names if c in table.column_names]), table.schema
-    if "_schemas" not in params:
-        return store.row_table(kind, columns=names), None
-    schemas: list = []
-    table = store.row_table(kind, columns=names, _schemas=schemas)
-    return table, (schemas[0] if schemas else None)
+        return {}
 
 
 _LIVE: "weakref.WeakSet[StoreSource]" = weakref.WeakSet()
@@ -380,8 +373,9 @@ class StoreSource:
         ``columns``: read only these (Parquet column projection, the table's checks as
         ``Store.row_table(kind, columns)`` makes them), in this order; a name the table has no
         column of is left out. Such a read is not cached: a dataset that needs one column of
-        a token table of 10**9 rows holds that column, not every column. Default (None):
-        every column, cached until the store is refreshed.
+        a token table of 10**9 rows holds that column, not every column (a store whose
+        ``row_table`` takes no ``columns`` is read whole, as for None). Default (None): every
+        column, cached until the store is refreshed.
         """
         store = self.store
         tables = self._tables  # (taken before the store is read: see _forget_layouts)
@@ -395,9 +389,16 @@ class StoreSource:
             return table
         names = list(dict.fromkeys(columns))
         if table is None:
-            table, schema = _projected_row_table(store, kind, names)
-            if schema is not None:
-                schemas[kind] = schema
+            params = _row_table_parameters(store)
+            if "columns" not in params:  # (read whole either way: once, and cached)
+                table = self.row_table(kind)
+            elif "_schemas" not in params:
+                table = store.row_table(kind, columns=names)
+            else:
+                found: list = []
+                table = store.row_table(kind, columns=names, _schemas=found)
+                if found:
+                    schemas[kind] = found[0]
         return table.select([c for c in names if c in table.column_names])
 
     def row_schema(self, kind: str) -> Any:

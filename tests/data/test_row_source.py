@@ -60,3 +60,23 @@ def test_a_store_without_the_protocol_is_refused_by_name():
         src.store
     with pytest.raises(acs.ActivationScopeError, match="RowSource"):
         ActivationDataset("somewhere", open_options={"opener": lambda spec, **o: _NoRows()})
+
+
+def test_a_store_that_reads_its_row_table_whole_is_read_once(tmp_path):
+    # (a store whose row_table takes no columns= was read whole again for each projected read:
+    # the columns' names, the filter's columns and the columns= tensors, three reads for one)
+    import pyarrow.compute as pc
+
+    n = 12
+    table = pa.table({"sample_id": list(range(n)), "label": [i % 3 for i in range(n)], "w": [0.5] * n})
+    path = write_fake_store(tmp_path / "f", {"x": torch.arange(n * 2, dtype=torch.float32).reshape(n, 2)},
+                            tables={"sample": table})
+    store = FakeStore(path)
+    reads = []
+    whole = store.row_table
+    store.row_table = lambda kind: reads.append(kind) or whole(kind)
+    ds = ActivationDataset(store, columns=["w", "label"], filter=pc.field("label") > 0, sample_ids=range(2, n))
+    got = ds[:]
+    assert got["label"].tolist() == [i % 3 for i in range(2, n) if i % 3]
+    assert got["x"].tolist() == [[2.0 * i, 2.0 * i + 1] for i in range(2, n) if i % 3]
+    assert reads == ["sample"]
