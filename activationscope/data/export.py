@@ -407,10 +407,7 @@ def _export_columns(ds: ActivationDataset, columns: Any) -> list[str]:
 def _export_table(ds: ActivationDataset, col_names: list[str]) -> pa.Table | None:
     """The row table of the export's store rows with (at least) the columns ``col_names``, read
     once by :func:`_dataset_for`; None when no column is exported."""
-    if not col_names:
-        return None
-    table = getattr(ds, "_export_table", None)
-    return table if table is not None else ds._row_table(col_names)
+    return ds._export_table if col_names else None  # type: ignore[attr-defined]
 
 
 def _schema(ds: ActivationDataset, col_names: list[str], tensor_type: str, format: str) -> pa.Schema:
