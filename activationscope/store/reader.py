@@ -1181,17 +1181,45 @@ class Store:
             return
         meta = self._meta(hook_point)
         n = int(meta["n_rows"])
-        why = ("its array is compressed or not local, so each read decodes a copy"
-               if self._parts or not self._mappable(meta) else
-               f"its {-(-n // max(1, int(meta['shard_rows'])))} shards (of {self._total_shards_now()} in the store) "
-               f"cannot be mapped as one view within the process's budget of {self._budget()} memory mappings "
-               "(reader._MAP_BUDGET, half of vm.max_map_count)")
+        why, fix = self._why_no_view(meta, lo, hi) if r.step > 0 else ("a negative step is always a copy", "")
         raise StoreError(
             f"store[{hook_point!r}{'' if (r.start, r.stop, r.step) == (0, n, 1) else ', rows'}] would copy "
             f"{len(r)} rows ({nbytes} bytes) into memory, more than the {available} bytes available (MemAvailable): "
             f"{why}. Read it in slices, store[{hook_point!r}, a:b], or through ActivationDataset(store, "
-            f"hook_points={hook_point!r}) in batches; for a view of every row, capture with fewer, larger shards "
-            "(store_options={'shard_bytes': ...}) or raise vm.max_map_count")
+            f"hook_points={hook_point!r}) in batches" + (f"; {fix}" if fix else ""))
+
+    def _why_no_view(self, meta: dict, lo: int, hi: int) -> tuple[str, str]:
+        """Why rows ``[lo, hi)`` of the array ``meta`` read as a copy rather than a view (the
+        cases :meth:`_span_is_view` and :meth:`_whole_rows` turn down), and what makes a view of
+        them ("" when nothing a capture chooses does), for the message of a refused copy."""
+        if self._parts:
+            return ("its rows are in the rank stores of a multi-rank store not committed yet, read as one copy",
+                    "for views of its rows, commit the store first (`activationscope consolidate STORE`)")
+        if not isinstance(self._backend, LocalBackend):
+            return "the store is not local, so each read decodes a copy", ""
+        if meta.get("compression") is not None:
+            return ("its array is compressed, so each read decodes a copy",
+                    "for views of its rows, capture with store_options={'compression': None}")
+        shard_rows = max(1, int(meta["shard_rows"]))
+        n_shards = -(-int(meta["n_rows"]) // shard_rows)
+        if lo // shard_rows == (hi - 1) // shard_rows or not all(
+                self._shard_index(meta, k).contiguous for k in range(n_shards)):
+            return ("a shard of it does not hold its chunks back to back in the default layout, so its rows are "
+                    "decoded chunk by chunk", "")
+        stride = shard_rows * V.row_bytes(meta)
+        if _native.optional() is None:
+            return ("the native extension (activationscope._C), which maps its shards back to back as one view, is "
+                    "not built", "for a view of every row, install the package with its native extension")
+        if stride % mmap.PAGESIZE:
+            return (f"a shard's rows ({shard_rows} of {V.row_bytes(meta)} bytes) are not a whole number of memory "
+                    f"pages ({mmap.PAGESIZE} bytes), so its shards cannot be mapped back to back as one view",
+                    "for a view of every row, capture with the default shard_rows (or one whose shards are whole "
+                    "pages)")
+        return (f"its {n_shards} shards (of {self._total_shards_now()} in the store) cannot be mapped as one view "
+                f"within the process's budget of {self._budget()} memory mappings (reader._MAP_BUDGET, half of "
+                "vm.max_map_count)",
+                "for a view of every row, capture with fewer, larger shards (store_options={'shard_bytes': ...}) or "
+                "raise vm.max_map_count")
 
     def _total_shards_now(self) -> int:
         """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts)."""
