@@ -1222,15 +1222,20 @@ class Store:
                 "raise vm.max_map_count")
 
     def _total_shards_now(self) -> int:
-        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts)."""
-        n = 0
-        for m in (self._attrs.get("arrays") or {}).values():
-            if isinstance(m, dict) and m.get("compression") is None:
-                try:
-                    n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
-                except (KeyError, TypeError, ValueError):
-                    pass
-        return n
+        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts
+        against the budget), counted once per root read."""
+        attrs = self._attrs
+        total = self._total_shards
+        if total is None or total[0] is not attrs:
+            n = 0
+            for m in (attrs.get("arrays") or {}).values():
+                if isinstance(m, dict) and m.get("compression") is None:
+                    try:
+                        n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
+                    except (KeyError, TypeError, ValueError):
+                        pass
+            total = self._total_shards = (attrs, n)
+        return total[1]
 
     def _span_is_view(self, hook_point: str, lo: int, hi: int) -> bool:
         """Whether rows ``[lo, hi)`` read as a view of mapped memory (no copy)."""
@@ -2190,20 +2195,7 @@ class Store:
         a dataset of every hook point (a view of each) holds one mapping per hook point, and
         the cache holds the most recently used shards, not a few whole arrays."""
         budget = self._budget()
-        if n_shards > budget:
-            return False
-        attrs = self._attrs
-        total = self._total_shards
-        if total is None or total[0] is not attrs:
-            n = 0
-            for m in (attrs.get("arrays") or {}).values():
-                if isinstance(m, dict) and m.get("compression") is None:
-                    try:
-                        n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
-                    except (KeyError, TypeError, ValueError):
-                        pass
-            total = self._total_shards = (attrs, n)
-        return total[1] <= budget
+        return n_shards <= budget and self._total_shards_now() <= budget
 
     def _budget(self) -> int:
         """The most mappings the caches of all the process's open stores hold together
