@@ -110,7 +110,8 @@ def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storag
              aside: list | None, held: list | None = None) -> str | None:
     """:func:`prepare_root`; with ``aside`` (a list: the capture's rank 0), a local overwrite
     moves the old store aside instead of deleting it and appends that folder to ``aside``
-    (the capture settles it: :meth:`RankSession.settle_aside`). With ``held`` (a list: the
+    (the capture settles it: :meth:`RankSession.settle_aside`; a preparation that fails after
+    the move puts it back itself, under the writer lock). With ``held`` (a list: the
     capture's rank 0), a local store's writer lock is kept once the root is prepared and
     appended to ``held``: rank 0 holds it until its commit is done (FORMAT.md section 10), so
     no other writer, resume, overwrite or ``consolidate`` takes the store meanwhile."""
@@ -123,7 +124,23 @@ def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storag
     keep = held is not None and isinstance(b, LocalBackend)  # (a flock: it dies with rank 0's process)
     lock = WriterLock(b, role=f"rank 0 of a multi-rank capture of {int(world_size)} ranks" if keep else None)
     with lock:  # the store's writer lock, as every writer takes it
-        run = _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+        n_aside = len(aside) if aside is not None else 0
+        try:
+            run = _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+        except BaseException as e:
+            if aside is not None and len(aside) > n_aside:
+                # the old store was moved aside (or taken back) before the failure: put back under this
+                # lock, as one process does, never once it is released; and once only (a second try
+                # would clear the entries the first one moved back)
+                moved = aside.pop()
+                try:
+                    b.restore_aside(moved)
+                except Exception as f:  # noqa: BLE001 - the error stays the one raised
+                    e.add_note(f"putting the store that overwrite=True was to replace back from {str(moved)!r} failed "
+                               f"({type(f).__name__}: {f}); what was not put back is still in that folder: run the "
+                               "capture again with overwrite=True (it finishes the move), or, with no writer running, "
+                               f"move every entry of that folder back into {str(b)!r} (zarr.json last)")
+            raise
         if keep:
             held.append(lock.keep())  # (kept past the with block: released by the capture's end)
         return run

@@ -362,3 +362,35 @@ def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by
         settling.join(30)
     assert not settling.is_alive() and not aside.exists() and writer_holding(B.resolve(str(url))) is None
     assert acs.open_store(url).leftovers() == []
+
+
+def test_rank_0_puts_the_old_store_back_under_the_lock_when_its_preparation_fails(tmp_path, monkeypatch):
+    """Rank 0's preparation of a local multi-rank overwrite that fails once it moved the old
+    store aside (the new run's root not written: a full disk) puts the old store back before it
+    lets go of the store's writer lock, as a one-process writer does. Before, the lock went
+    first: the old store stayed aside, with no lock held, until the ranks had met (up to
+    rank_wait_s), and another overwrite started meanwhile took that folder for its own."""
+    from activationscope.store import ranks
+    from activationscope.store._lock import writer_holding
+    from activationscope.store.ranks import _prepare
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    before = _files(url)
+    seen = []
+
+    def full(b, attrs, replacing):
+        seen.append(writer_holding(b))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ranks, "write_root_first", full)
+    aside: list[Path] = []
+    held: list = []
+    with pytest.raises(OSError, match="No space left"):
+        _prepare(str(url), WORLD, True, False, None, aside, held)
+    assert seen and seen[0] is not None  # (it failed under the lock)
+    assert aside == [] and held == [] and writer_holding(B.resolve(str(url))) is None
+    assert _files(url) == before and [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
