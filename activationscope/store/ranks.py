@@ -916,8 +916,7 @@ def _commit_held(root: str, lock: WriterLock, *, storage_options: dict | None,
     return _commit_ranks(b, root, storage_options, make_reduction, world_size, False)
 
 
-def _is_rank_name(name: str) -> bool:
-    return len(name) == 5 and name.isdigit()
+_is_rank_name = F.is_rank_name
 
 
 def _remove_ranks(b: Any) -> None:
