@@ -136,14 +136,22 @@ def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storag
                 try:
                     b.restore_aside(moved)
                 except Exception as f:  # noqa: BLE001 - the error stays the one raised
-                    e.add_note(f"putting the store that overwrite=True was to replace back from {str(moved)!r} failed "
-                               f"({type(f).__name__}: {f}); what was not put back is still in that folder: run the "
-                               "capture again with overwrite=True (it finishes the move), or, with no writer running, "
-                               f"move every entry of that folder back into {str(b)!r} (zarr.json last)")
+                    e.add_note(_put_back_failed(moved, str(b), f))
             raise
         if keep:
             held.append(lock.keep())  # (kept past the with block: released by the capture's end)
         return run
+
+
+def _put_back_failed(aside: Path, root: str, e: BaseException) -> str:
+    """The sentence of a put-back of the old store of a local multi-rank overwrite
+    (``LocalBackend.restore_aside`` from ``aside`` into ``root``) that raised ``e``: it may have
+    failed after moving some entries back, so the old store is in the folder with its root
+    document, whole or for the part not put back, and an overwrite finishes the move."""
+    return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
+            f"({type(e).__name__}: {e}); that folder still holds it with its root document (all of it, or what was "
+            "not put back yet): run the capture again with overwrite=True (it finishes the move), or, with no writer "
+            f"running, move every entry of that folder back into {root!r} (zarr.json last)")
 
 
 def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, ranks_run: str | None) -> dict:
@@ -1817,10 +1825,7 @@ class RankSession:
                 with WriterLock(b):
                     b.restore_aside(aside)
         except Exception as e:  # noqa: BLE001 - said by every rank
-            return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
-                    f"({type(e).__name__}: {e}); it is still whole there: with no writer running, move every entry "
-                    f"of that folder back into {self.root!r} (zarr.json last), or run the capture again with "
-                    "overwrite=True")
+            return _put_back_failed(aside, self.root, e)
         self.put_back = True
         return None
 
