@@ -1202,24 +1202,26 @@ class Store:
                     "for views of its rows, capture with store_options={'compression': None}")
         shard_rows = max(1, int(meta["shard_rows"]))
         n_shards = -(-int(meta["n_rows"]) // shard_rows)
-        if lo // shard_rows == (hi - 1) // shard_rows or not all(
-                self._shard_index(meta, k).contiguous for k in range(n_shards)):
-            return ("a shard of it does not hold its chunks back to back in the default layout, so its rows are "
-                    "decoded chunk by chunk", "")
-        stride = shard_rows * V.row_bytes(meta)
+        scattered = ("a shard of it does not hold its chunks back to back in the default layout, so its rows are "
+                     "decoded chunk by chunk", "")
+        if lo // shard_rows == (hi - 1) // shard_rows:  # (one shard: a view unless its chunks are scattered)
+            return scattered
+        # (in the order _whole_rows tries them: the shard indexes are read last)
         if _native.optional() is None:
             return ("the native extension (activationscope._C), which maps its shards back to back as one view, is "
                     "not built", "for a view of every row, install the package with its native extension")
-        if stride % mmap.PAGESIZE:
+        if shard_rows * V.row_bytes(meta) % mmap.PAGESIZE:
             return (f"a shard's rows ({shard_rows} of {V.row_bytes(meta)} bytes) are not a whole number of memory "
                     f"pages ({mmap.PAGESIZE} bytes), so its shards cannot be mapped back to back as one view",
                     "for a view of every row, capture with the default shard_rows (or one whose shards are whole "
                     "pages)")
-        return (f"its {n_shards} shards (of {self._total_shards_now()} in the store) cannot be mapped as one view "
-                f"within the process's budget of {self._budget()} memory mappings (reader._MAP_BUDGET, half of "
-                "vm.max_map_count)",
-                "for a view of every row, capture with fewer, larger shards (store_options={'shard_bytes': ...}) or "
-                "raise vm.max_map_count")
+        if not self._whole_fits(n_shards):
+            return (f"its {n_shards} shards (of {self._total_shards_now()} in the store) cannot be mapped as one view "
+                    f"within the process's budget of {self._budget()} memory mappings (reader._MAP_BUDGET, half of "
+                    "vm.max_map_count)",
+                    "for a view of every row, capture with fewer, larger shards (store_options={'shard_bytes': ...}) "
+                    "or raise vm.max_map_count")
+        return scattered
 
     def _total_shards_now(self) -> int:
         """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts
