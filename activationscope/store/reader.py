@@ -3526,7 +3526,8 @@ class Store:
         ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
         ``overwrite=True`` deletes it. While a writer holds the store's lock (a live process: the
         writer of that overwrite deletes the folder in the background until its close), the line
-        says that writer is deleting it, not that a writer was killed. Opening the store
+        says a writer runs (the writer of an overwrite deletes the folder before its close; another
+        keeps it for the next resume or overwrite), not that a writer was killed. Opening the store
         (:func:`open_store`) says nothing about such a folder: it holds no row of this store.
 
         Returns
@@ -3548,9 +3549,9 @@ class Store:
             if remains is not None and holder is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here (its "
                            "root document is gone: nothing reads it); a writer of this store is running "
-                           f"({holder}) and deletes it before its close returns: nothing to do (a writer that warned "
-                           "about this folder as it opened keeps it: the next resume=True or overwrite=True deletes "
-                           "it)")
+                           f"({holder}): nothing to do. The writer of an overwrite=True deletes it before its close "
+                           "returns; if it is still here once that writer has ended (another writer keeps it), the "
+                           "next resume=True or overwrite=True of this store deletes it")
             elif remains is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "
                            "delete cut short (its writer was killed after this store's commit; its root document is "
