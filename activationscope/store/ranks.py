@@ -1929,11 +1929,11 @@ class RankSession:
             finally:
                 self._release_held()
             raise
-        target = rank_target(self.root, self.rank)
-        self.storage_options = opts.get("storage_options")
-        self.run_id = seen[0].get("run_id")
-        self._arrival = _arrival_keys(seen[0]["token"])
-        try:
+        try:  # (from here on a failure, or a Ctrl-C, is told to the other ranks and lets go of the lock)
+            target = rank_target(self.root, self.rank)
+            self.storage_options = opts.get("storage_options")
+            self.run_id = seen[0].get("run_id")
+            self._arrival = _arrival_keys(seen[0]["token"])
             exists, other = self._rank_store_found(target, opts.get("storage_options"))
         except BaseException as e:
             self.fail(e)
