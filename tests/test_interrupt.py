@@ -343,3 +343,24 @@ def test_ctrl_c_at_each_line_of_a_new_hook_point_leaves_the_ctrl_c_itself():
             cell()
     tracker = cell()
     torch.testing.assert_close(tracker.reductions["0.output"]["mean"], model[0](x).double().mean(0))
+
+
+@pytest.mark.parametrize("text", ["self._backend.make_root = False", "self._lost: str | None = None",
+                                  "self._replacing = False"])
+def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp_path, text):
+    # a Ctrl-C in StoreWriter.__init__ between taking the writer lock and the try that gives it back
+    # on a failure: the half-made writer, kept alive by the traceback a notebook keeps, held the
+    # lock, and the cell run again was refused as a writer of this process still open
+    from activationscope.store import StoreWriter
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    at = _InterruptAtLine(W.__file__, "__init__", text, 1)
+    with pytest.raises(KeyboardInterrupt) as kept:  # (its traceback kept, as a notebook keeps it)
+        with at:
+            StoreWriter(str(path))
+    assert at.raised and kept.value.__traceback__ is not None
+    assert not path.exists()  # (the folder it made: removed)
+    w = StoreWriter(str(path))  # (not refused: the lock was given back)
+    w.abort(RuntimeError("stop"))
+    assert w.remove_if_unused() and not path.exists()

@@ -77,6 +77,12 @@ SUPPORTED_DTYPES = tuple(_ZARR_DTYPE)
 COMPRESSION_NAMES = (None, "zstd", "blosc-lz4")
 
 
+def is_rank_name(name: str) -> bool:
+    """Whether ``name`` names a rank store in a multi-rank store's ``ranks/`` folder: the
+    rank in 5 digits (FORMAT.md section 10)."""
+    return len(name) == 5 and name.isdigit()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).replace("torch.", "")

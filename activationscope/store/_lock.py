@@ -135,7 +135,7 @@ def rank_writers_holding(backend: Any) -> list[str]:
         return []
     folder = backend.root / "ranks"
     try:
-        names = sorted(p.name for p in folder.iterdir() if len(p.name) == 5 and p.name.isdigit())
+        names = sorted(p.name for p in folder.iterdir() if F.is_rank_name(p.name))
     except OSError:  # (none, or not a folder)
         return []
     out = []

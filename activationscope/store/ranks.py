@@ -110,7 +110,8 @@ def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storag
              aside: list | None, held: list | None = None) -> str | None:
     """:func:`prepare_root`; with ``aside`` (a list: the capture's rank 0), a local overwrite
     moves the old store aside instead of deleting it and appends that folder to ``aside``
-    (the capture settles it: :meth:`RankSession.settle_aside`). With ``held`` (a list: the
+    (the capture settles it: :meth:`RankSession.settle_aside`; a preparation that fails after
+    the move puts it back itself, under the writer lock). With ``held`` (a list: the
     capture's rank 0), a local store's writer lock is kept once the root is prepared and
     appended to ``held``: rank 0 holds it until its commit is done (FORMAT.md section 10), so
     no other writer, resume, overwrite or ``consolidate`` takes the store meanwhile."""
@@ -123,10 +124,34 @@ def _prepare(target: Any, world_size: int, overwrite: bool, resume: bool, storag
     keep = held is not None and isinstance(b, LocalBackend)  # (a flock: it dies with rank 0's process)
     lock = WriterLock(b, role=f"rank 0 of a multi-rank capture of {int(world_size)} ranks" if keep else None)
     with lock:  # the store's writer lock, as every writer takes it
-        run = _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+        n_aside = len(aside) if aside is not None else 0
+        try:
+            run = _prepare_root(b, world_size, overwrite, resume, aside, adopt=existed)
+        except BaseException as e:
+            if aside is not None and len(aside) > n_aside:
+                # the old store was moved aside (or taken back) before the failure: put back under this
+                # lock, as one process does, never once it is released; and once only (a second try
+                # would clear the entries the first one moved back)
+                moved = aside.pop()
+                try:
+                    b.restore_aside(moved)
+                except Exception as f:  # noqa: BLE001 - the error stays the one raised
+                    e.add_note(_put_back_failed(moved, str(b), f))
+            raise
         if keep:
             held.append(lock.keep())  # (kept past the with block: released by the capture's end)
         return run
+
+
+def _put_back_failed(aside: Path, root: str, e: BaseException) -> str:
+    """The sentence of a put-back of the old store of a local multi-rank overwrite
+    (``LocalBackend.restore_aside`` from ``aside`` into ``root``) that raised ``e``: it may have
+    failed after moving some entries back, so the old store is in the folder with its root
+    document, whole or for the part not put back, and an overwrite finishes the move."""
+    return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
+            f"({type(e).__name__}: {e}); that folder still holds it with its root document (all of it, or what was "
+            "not put back yet): run the capture again with overwrite=True (it finishes the move), or, with no writer "
+            f"running, move every entry of that folder back into {root!r} (zarr.json last)")
 
 
 def _uncommitted_root_attrs(world_size: int, run_id: str | None, created: str, ranks_run: str | None) -> dict:
@@ -899,8 +924,7 @@ def _commit_held(root: str, lock: WriterLock, *, storage_options: dict | None,
     return _commit_ranks(b, root, storage_options, make_reduction, world_size, False)
 
 
-def _is_rank_name(name: str) -> bool:
-    return len(name) == 5 and name.isdigit()
+_is_rank_name = F.is_rank_name
 
 
 def _remove_ranks(b: Any) -> None:
@@ -1801,10 +1825,7 @@ class RankSession:
                 with WriterLock(b):
                     b.restore_aside(aside)
         except Exception as e:  # noqa: BLE001 - said by every rank
-            return (f"putting the store that overwrite=True was to replace back from {str(aside)!r} failed "
-                    f"({type(e).__name__}: {e}); it is still whole there: with no writer running, move every entry "
-                    f"of that folder back into {self.root!r} (zarr.json last), or run the capture again with "
-                    "overwrite=True")
+            return _put_back_failed(aside, self.root, e)
         self.put_back = True
         return None
 
@@ -1908,11 +1929,11 @@ class RankSession:
             finally:
                 self._release_held()
             raise
-        target = rank_target(self.root, self.rank)
-        self.storage_options = opts.get("storage_options")
-        self.run_id = seen[0].get("run_id")
-        self._arrival = _arrival_keys(seen[0]["token"])
-        try:
+        try:  # (from here on a failure, or a Ctrl-C, is told to the other ranks and lets go of the lock)
+            target = rank_target(self.root, self.rank)
+            self.storage_options = opts.get("storage_options")
+            self.run_id = seen[0].get("run_id")
+            self._arrival = _arrival_keys(seen[0]["token"])
             exists, other = self._rank_store_found(target, opts.get("storage_options"))
         except BaseException as e:
             self.fail(e)

@@ -1181,28 +1181,63 @@ class Store:
             return
         meta = self._meta(hook_point)
         n = int(meta["n_rows"])
-        why = ("its array is compressed or not local, so each read decodes a copy"
-               if self._parts or not self._mappable(meta) else
-               f"its {-(-n // max(1, int(meta['shard_rows'])))} shards (of {self._total_shards_now()} in the store) "
-               f"cannot be mapped as one view within the process's budget of {self._budget()} memory mappings "
-               "(reader._MAP_BUDGET, half of vm.max_map_count)")
+        why, fix = self._why_no_view(meta, lo, hi) if r.step > 0 else ("a negative step is always a copy", "")
         raise StoreError(
             f"store[{hook_point!r}{'' if (r.start, r.stop, r.step) == (0, n, 1) else ', rows'}] would copy "
             f"{len(r)} rows ({nbytes} bytes) into memory, more than the {available} bytes available (MemAvailable): "
             f"{why}. Read it in slices, store[{hook_point!r}, a:b], or through ActivationDataset(store, "
-            f"hook_points={hook_point!r}) in batches; for a view of every row, capture with fewer, larger shards "
-            "(store_options={'shard_bytes': ...}) or raise vm.max_map_count")
+            f"hook_points={hook_point!r}) in batches" + (f"; {fix}" if fix else ""))
+
+    def _why_no_view(self, meta: dict, lo: int, hi: int) -> tuple[str, str]:
+        """Why rows ``[lo, hi)`` of the array ``meta`` read as a copy rather than a view (the
+        cases :meth:`_span_is_view` and :meth:`_whole_rows` turn down), and what makes a view of
+        them ("" when nothing a capture chooses does), for the message of a refused copy."""
+        if self._parts:
+            return ("its rows are in the rank stores of a multi-rank store not committed yet, read as one copy",
+                    "for views of its rows, commit the store first (`activationscope consolidate STORE`)")
+        if not isinstance(self._backend, LocalBackend):
+            return "the store is not local, so each read decodes a copy", ""
+        if meta.get("compression") is not None:
+            return ("its array is compressed, so each read decodes a copy",
+                    "for views of its rows, capture with store_options={'compression': None}")
+        shard_rows = max(1, int(meta["shard_rows"]))
+        n_shards = -(-int(meta["n_rows"]) // shard_rows)
+        scattered = ("a shard of it does not hold its chunks back to back in the default layout, so its rows are "
+                     "decoded chunk by chunk", "")
+        if lo // shard_rows == (hi - 1) // shard_rows:  # (one shard: a view unless its chunks are scattered)
+            return scattered
+        # (in the order _whole_rows tries them: the shard indexes are read last)
+        if _native.optional() is None:
+            return ("the native extension (activationscope._C), which maps its shards back to back as one view, is "
+                    "not built", "for a view of every row, install the package with its native extension")
+        if shard_rows * V.row_bytes(meta) % mmap.PAGESIZE:
+            return (f"a shard's rows ({shard_rows} of {V.row_bytes(meta)} bytes) are not a whole number of memory "
+                    f"pages ({mmap.PAGESIZE} bytes), so its shards cannot be mapped back to back as one view",
+                    "for a view of every row, capture with the default shard_rows (or one whose shards are whole "
+                    "pages)")
+        if not self._whole_fits(n_shards):
+            return (f"its {n_shards} shards (of {self._total_shards_now()} in the store) cannot be mapped as one view "
+                    f"within the process's budget of {self._budget()} memory mappings (reader._MAP_BUDGET, half of "
+                    "vm.max_map_count)",
+                    "for a view of every row, capture with fewer, larger shards (store_options={'shard_bytes': ...}) "
+                    "or raise vm.max_map_count")
+        return scattered
 
     def _total_shards_now(self) -> int:
-        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts)."""
-        n = 0
-        for m in (self._attrs.get("arrays") or {}).values():
-            if isinstance(m, dict) and m.get("compression") is None:
-                try:
-                    n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
-                except (KeyError, TypeError, ValueError):
-                    pass
-        return n
+        """The shards of every uncompressed array of the store (what :meth:`_whole_fits` counts
+        against the budget), counted once per root read."""
+        attrs = self._attrs
+        total = self._total_shards
+        if total is None or total[0] is not attrs:
+            n = 0
+            for m in (attrs.get("arrays") or {}).values():
+                if isinstance(m, dict) and m.get("compression") is None:
+                    try:
+                        n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
+                    except (KeyError, TypeError, ValueError):
+                        pass
+            total = self._total_shards = (attrs, n)
+        return total[1]
 
     def _span_is_view(self, hook_point: str, lo: int, hi: int) -> bool:
         """Whether rows ``[lo, hi)`` read as a view of mapped memory (no copy)."""
@@ -2162,20 +2197,7 @@ class Store:
         a dataset of every hook point (a view of each) holds one mapping per hook point, and
         the cache holds the most recently used shards, not a few whole arrays."""
         budget = self._budget()
-        if n_shards > budget:
-            return False
-        attrs = self._attrs
-        total = self._total_shards
-        if total is None or total[0] is not attrs:
-            n = 0
-            for m in (attrs.get("arrays") or {}).values():
-                if isinstance(m, dict) and m.get("compression") is None:
-                    try:
-                        n += -(-int(m["n_rows"]) // max(1, int(m["shard_rows"])))
-                    except (KeyError, TypeError, ValueError):
-                        pass
-            total = self._total_shards = (attrs, n)
-        return total[1] <= budget
+        return n_shards <= budget and self._total_shards_now() <= budget
 
     def _budget(self) -> int:
         """The most mappings the caches of all the process's open stores hold together
@@ -3504,7 +3526,8 @@ class Store:
         ``complete``) and every manifest and row table part it lists is here; the next ``resume=True`` or
         ``overwrite=True`` deletes it. While a writer holds the store's lock (a live process: the
         writer of that overwrite deletes the folder in the background until its close), the line
-        says that writer is deleting it, not that a writer was killed. Opening the store
+        says a writer runs (the writer of an overwrite deletes the folder before its close; another
+        keeps it for the next resume or overwrite), not that a writer was killed. Opening the store
         (:func:`open_store`) says nothing about such a folder: it holds no row of this store.
 
         Returns
@@ -3526,9 +3549,9 @@ class Store:
             if remains is not None and holder is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here (its "
                            "root document is gone: nothing reads it); a writer of this store is running "
-                           f"({holder}) and deletes it before its close returns: nothing to do (a writer that warned "
-                           "about this folder as it opened keeps it: the next resume=True or overwrite=True deletes "
-                           "it)")
+                           f"({holder}): nothing to do. The writer of an overwrite=True deletes it before its close "
+                           "returns; if it is still here once that writer has ended (another writer keeps it), the "
+                           "next resume=True or overwrite=True of this store deletes it")
             elif remains is not None:
                 out.append(f"folder {str(remains)!r}: what is left of the store an overwrite=True replaced here, its "
                            "delete cut short (its writer was killed after this store's commit; its root document is "

@@ -1276,10 +1276,6 @@ class StoreWriter:
             check_backend_not_in_store(self._backend)
             self.target = target
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
-            # one writer at a time: the lock is held from here to close() / abort()
-            self._writer_lock = WriterLock(self._backend).acquire()
-            if isinstance(self._backend, LocalBackend):  # (the lock made the folder: one removed later stays so)
-                self._backend.make_root = False
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
@@ -1288,7 +1284,12 @@ class StoreWriter:
             self._remains: Path | None = None  # that folder, deleted once this writer is set up
             self.put_back = False  # overwrite: the old store was put back (the new one committed nothing)
             self._replacing = False  # overwrite on object storage: the old objects go once this run's root is written
+            # one writer at a time: the lock is held from here to close() / abort(); the try that gives it
+            # back on a failure (or a Ctrl-C) comes right after it, nothing in between
+            self._writer_lock = WriterLock(self._backend).acquire()
             try:
+                if isinstance(self._backend, LocalBackend):  # (the lock made the folder: one removed later stays so)
+                    self._backend.make_root = False
                 self._open_existing(overwrite, resume)
                 # a store this writer makes from nothing (a local one it replaces is put back by the
                 # close of a run that committed no forward: see _settle_aside)

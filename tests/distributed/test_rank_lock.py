@@ -195,3 +195,49 @@ def test_writers_of_a_store_whose_rank_tasks_are_writing_are_refused(tmp_path):
         model(job.batch(3))
     st = acs.open_store(url / "ranks" / "00001")
     assert st.status == "complete" and st.n_samples == 2 * job.BATCH and st.verify() == []
+
+
+_CTRL_C_AFTER_PREPARATION = r"""
+import linecache, os, sys
+import torch.distributed as dist
+from activationscope.store import ranks
+from activationscope.store import _backend as B
+from activationscope.store._lock import writer_holding
+
+store, pg, text = sys.argv[1:4]
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+
+def line(frame, event, arg):
+    if event == "line" and text in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+        raise KeyboardInterrupt(text)
+    return line
+
+def call(frame, event, arg):
+    return line if frame.f_code.co_name == "writer_options" and frame.f_code.co_filename == ranks.__file__ else None
+
+session = ranks.RankSession(None, 0, 1, store)
+sys.settrace(call)
+try:
+    session.writer_options({})
+except KeyboardInterrupt as e:
+    kept = e  # (its traceback kept, as a notebook keeps it)
+    sys.settrace(None)
+else:
+    sys.settrace(None)
+    raise SystemExit("not interrupted")
+print("HELD" if writer_holding(B.resolve(store)) is not None else "FREE", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("text", ["self.storage_options = opts.get", "self._arrival = _arrival_keys"])
+def test_a_ctrl_c_once_rank_0_prepared_the_store_leaves_no_lock(tmp_path, text):
+    """A Ctrl-C in rank 0's RankSession.writer_options after its preparation (the store's writer
+    lock held from there to the commit) and before the try that tells the other ranks: the lock
+    was kept by the session, which a notebook's traceback keeps alive, so every later writer of
+    the store was refused; now the lock goes with the interruption."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _CTRL_C_AFTER_PREPARATION, str(tmp_path / "s.zarr"),
+                          str(tmp_path / "pg"), text], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "FREE", out.stdout + out.stderr[-3000:]

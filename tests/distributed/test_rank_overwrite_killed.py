@@ -362,3 +362,73 @@ def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by
         settling.join(30)
     assert not settling.is_alive() and not aside.exists() and writer_holding(B.resolve(str(url))) is None
     assert acs.open_store(url).leftovers() == []
+
+
+def test_rank_0_puts_the_old_store_back_under_the_lock_when_its_preparation_fails(tmp_path, monkeypatch):
+    """Rank 0's preparation of a local multi-rank overwrite that fails once it moved the old
+    store aside (the new run's root not written: a full disk) puts the old store back before it
+    lets go of the store's writer lock, as a one-process writer does. Before, the lock went
+    first: the old store stayed aside, with no lock held, until the ranks had met (up to
+    rank_wait_s), and another overwrite started meanwhile took that folder for its own."""
+    from activationscope.store import ranks
+    from activationscope.store._lock import writer_holding
+    from activationscope.store.ranks import _prepare
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    before = _files(url)
+    seen = []
+
+    def full(b, attrs, replacing):
+        seen.append(writer_holding(b))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ranks, "write_root_first", full)
+    aside: list[Path] = []
+    held: list = []
+    with pytest.raises(OSError, match="No space left"):
+        _prepare(str(url), WORLD, True, False, None, aside, held)
+    assert seen and seen[0] is not None  # (it failed under the lock)
+    assert aside == [] and held == [] and writer_holding(B.resolve(str(url))) is None
+    assert _files(url) == before and [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+
+
+def test_a_put_back_that_fails_partway_says_what_is_where_and_a_rerun_finishes_it(tmp_path, monkeypatch):
+    """Rank 0 putting the old store back (nothing committed) fails after it moved some entries
+    back: its message no longer says the old store is still whole in the folder aside (part of
+    it is back at the path); it names the folder, says the rest is there with its root document
+    and that a rerun with overwrite=True finishes the move, which it does."""
+    from activationscope.store.ranks import RankSession, _prepare
+
+    url = tmp_path / "s.zarr"
+    model = _model(0)
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+    before = _files(url)
+    session = RankSession(None, 0, WORLD, str(url))
+    _prepare(str(url), WORLD, True, False, None, session._aside, session._held)
+    (moved,) = session._aside
+    rename, calls = os.rename, []
+
+    def failing(src, dst, *args, **kwargs):
+        if str(src).startswith(str(moved)):
+            calls.append(src)
+            if len(calls) == 2:  # (one entry moved back, then the disk fails)
+                raise OSError(5, "Input/output error")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing)
+    try:
+        said = session._settle_aside(committed=False)
+    finally:
+        monkeypatch.setattr(os, "rename", rename)
+        session._release_held()
+    assert said is not None and repr(str(moved)) in said and "Input/output error" in said, said
+    assert "still whole" not in said and "overwrite=True" in said, said
+    assert moved.is_dir() and (moved / "zarr.json").exists() and any(p.name != B.LOCK_KEY for p in url.iterdir())
+    StoreWriter(str(url), overwrite=True).abort(RuntimeError("stop"))  # (finishes the move, commits nothing)
+    assert _files(url) == before and [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []

@@ -41,13 +41,44 @@ def test_a_copy_larger_than_available_memory_raises(tmp_path, monkeypatch, layou
         st["output"]
     msg = str(e.value)
     assert "'output'" in msg and f"{nbytes} bytes" in msg and f"{nbytes // 2} bytes available" in msg
-    assert "store['output', a:b]" in msg and "ActivationDataset" in msg and "shard_bytes" in msg
-    assert "vm.max_map_count" in msg
+    assert "store['output', a:b]" in msg and "ActivationDataset" in msg
     assert ("compressed" in msg) == (layout == "compressed")
+    if layout == "per-shard":  # (the budget keeps the shards from one view: its fixes)
+        assert "shard_bytes" in msg and "vm.max_map_count" in msg
+    else:  # (no view of a compressed array, whatever its shards: their fixes would not help)
+        assert "'compression': None" in msg and "vm.max_map_count" not in msg and "shard_bytes" not in msg
     # a slice that fits is read, with its values; so is the whole array once memory allows it
     assert torch.equal(st["output", 0:30], ref[0:30])
     monkeypatch.setattr(R, "_available_memory_bytes", lambda: nbytes * 2)
     assert torch.equal(st["output"], ref)
+
+
+@pytest.mark.parametrize("cause", ["no native extension", "shards not whole pages"])
+def test_the_refusal_names_why_the_shards_are_no_view(tmp_path, monkeypatch, cause):
+    """Shards within the mapping budget that are still read as a copy: the message names why
+    (the native extension that maps them back to back is absent; a shard's rows are not a whole
+    number of memory pages), never the budget or vm.max_map_count, which would not help."""
+    d = D if cause == "no native extension" else D - 16  # (16 rows of 48 float32: 3 KiB, no whole page)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(d, d)
+    opts = {"chunk_rows": SHARD_ROWS, "shard_rows": SHARD_ROWS, "compression": None}
+    with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options=opts).track(model):
+        for _ in range(ROWS // 8):
+            model(torch.randn(8, d))
+    if cause == "no native extension":
+        monkeypatch.setattr(_native, "optional", lambda: None)
+    monkeypatch.setattr(R, "_COPY_CHECK_BYTES", 0)
+    monkeypatch.setattr(R, "_available_memory_bytes", lambda: 1024)
+    st = acs.open_store(tmp_path / "s.zarr")
+    with pytest.raises(StoreError) as e:
+        st["output"]
+    msg = str(e.value)
+    assert "'output'" in msg and f"{ROWS * d * 4} bytes" in msg and "ActivationDataset" in msg
+    assert "budget" not in msg and "vm.max_map_count" not in msg, msg
+    if cause == "no native extension":
+        assert "native extension" in msg, msg
+    else:
+        assert "whole number of memory pages" in msg and "shard_rows" in msg, msg
 
 
 @pytest.mark.skipif(_native.optional() is None, reason="needs the native extension (shards mapped back to back)")

@@ -894,3 +894,28 @@ def test_a_root_moved_back_by_hand_with_its_arrays_still_aside_is_not_called_gar
         except StoreError:  # (its arrays are not at the path)
             pass
     assert _files(aside) == held
+
+
+def test_remains_next_to_a_store_held_by_a_writer_that_does_not_delete_them_are_not_said_to_be_deleted(tmp_path):
+    """What a cut-short delete left next to a store, while a writer that does not delete it
+    holds the store's lock (``consolidate`` of rank tasks capturing the store again; a resume
+    that warned about the folder): ``Store.leftovers()`` said that writer deletes it before its
+    close returns, and the folder was still there once it had ended. The line now says only an
+    overwrite's writer deletes it, and that the next resume or overwrite does once it has ended."""
+    from activationscope.store import _backend as B
+    from activationscope.store._lock import WriterLock
+
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    remains = tmp_path / ".s.zarr.replaced-0123abcd"
+    (remains / "acts").mkdir(parents=True)
+    (remains / "acts" / "x").write_bytes(b"old")
+    lock = WriterLock(B.resolve(str(path))).acquire()  # (as consolidate holds it: no delete of that folder)
+    try:
+        (line,) = open_store(path).leftovers()
+    finally:
+        lock.release()
+    assert f"a writer of this store is running (pid {os.getpid()} on host" in line and "nothing to do" in line, line
+    assert ") and deletes it before its close returns" not in line and "killed" not in line, line
+    assert "The writer of an overwrite=True deletes it" in line and "once that writer has ended" in line, line
+    assert remains.is_dir()
