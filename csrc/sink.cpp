@@ -9,7 +9,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
-#include <cctype>
 #include <cstdio>
 #include <cstring>
 
@@ -31,36 +30,6 @@ struct SlabRef {
 };
 void release_slab_ref(void* ctx) { delete static_cast<SlabRef*>(ctx); }
 constexpr int64_t kCopied = -1;  // versions_ entry of a REFERENCE record that is a copy
-
-// The torch name of a dtype, as a Python user writes it ("float32", not "Float").
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kComplexFloat: return "torch.complex64";
-    case at::kComplexDouble: return "torch.complex128";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kByte: return "torch.uint8";
-    case at::kUInt16: return "torch.uint16";
-    case at::kUInt32: return "torch.uint32";
-    case at::kUInt64: return "torch.uint64";
-    case at::kBool: return "torch.bool";
-    case at::kQInt8: return "torch.qint8";
-    case at::kQUInt8: return "torch.quint8";
-    case at::kQInt32: return "torch.qint32";
-    case at::kComplexHalf: return "torch.complex32";
-    default: {  // c10's name in Python's spelling: Float8_e4m3fn -> float8_e4m3fn, Bits8 -> bits8, UInt4 -> uint4
-      std::string name = c10::toString(t);
-      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-      return "torch." + name;
-    }
-  }
-}
 
 // Whether any element's exponent bits are all ones (inf or NaN) in a contiguous buffer of
 // IEEE floats seen as unsigned integers: one pass, no allocation, vectorised by the compiler.
