@@ -104,18 +104,19 @@ def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_pa
 _BITS = [getattr(torch, name) for name in ("bits8", "uint4", "float4_e2m1fn_x2") if hasattr(torch, name)]
 
 
-class _AsBits(torch.nn.Module):
-    """x * 1 on its first ``dense_calls`` calls, then its bytes (as uint8) viewed as ``dtype``."""
+class _AsDtype(torch.nn.Module):
+    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)`` (``bits``: its bytes, as
+    uint8, viewed as ``dtype``)."""
 
-    def __init__(self, dtype, dense_calls: int = 0):
+    def __init__(self, dtype, dense_calls: int = 0, bits: bool = False):
         super().__init__()
-        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+        self.dtype, self.dense_calls, self.bits, self.calls = dtype, dense_calls, bits, 0
 
     def forward(self, x):
         self.calls += 1
         if self.calls <= self.dense_calls:
             return x * 1
-        return (x.abs() * 7).to(torch.uint8).view(self.dtype)
+        return (x.abs() * 7).to(torch.uint8).view(self.dtype) if self.bits else x.to(self.dtype)
 
 
 @pytest.mark.parametrize("dense_calls", [0, 1], ids=["first-call", "later-call"])
@@ -126,7 +127,7 @@ def test_reductions_refuse_bits_dtypes_naming_the_hook_point_and_fix(tmp_path, d
     the hook point nor the fix. Now a CaptureError names both; the refused forward keeps
     nothing, and the fix (reductions= that leaves it out) keeps its bits exactly."""
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls, bits=True))
     xs = [torch.randn(3, 4) for _ in range(2)]
     with pytest.raises(CaptureError, match=r"hook point '1\.output': reduction 'mean' needs rows of numbers.*"
                                            r"reductions= as a dict of patterns that leaves '1\.output' out.*"
@@ -161,7 +162,7 @@ def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, de
     if dense_calls == 0 and not dtype.is_floating_point:
         pytest.skip("a first call of bits is not floating-point: storage_dtype leaves it as it is")
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls, bits=True))
     x = torch.randn(3, 4)
     path = tmp_path / "s.zarr"
     with pytest.raises(CaptureError, match=rf"hook point '1\.output' is torch\.\w+ in its call {dense_calls + 1}, "
@@ -198,15 +199,3 @@ def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
         with torch.no_grad(), scope.track(m):
             for _ in range(2):
                 m(torch.randn(3, 4))
-
-
-class _AsDtype(torch.nn.Module):
-    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)``."""
-
-    def __init__(self, dtype, dense_calls: int = 0):
-        super().__init__()
-        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
-
-    def forward(self, x):
-        self.calls += 1
-        return x * 1 if self.calls <= self.dense_calls else x.to(self.dtype)
