@@ -197,9 +197,9 @@ class Builtin : public Reduction {
   void check_rows_dtype(const at::Tensor& rows_in) const {
     ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
     ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
-              "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+              "' needs real-valued rows, got dtype ", dtype_name(rows_in.scalar_type()));
     ACS_CHECK(has_real_numbers(rows_in.scalar_type()), "reduction '", kind_,
-              "' needs rows of numbers torch converts to float64, got dtype ", rows_in.scalar_type(),
+              "' needs rows of numbers torch converts to float64, got dtype ", dtype_name(rows_in.scalar_type()),
               ", which torch keeps as bits without arithmetic");
   }
 

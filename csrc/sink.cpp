@@ -999,8 +999,7 @@ void Sink::run_reductions(const at::Tensor& rows) {
                               what.find("needs rows of numbers") != std::string::npos;
     throw UserError(c10::str("hook point '", name_, "': ", what,
                              complex_refused || bits_refused
-                                 ? c10::str(" (", dtype_name(rows.scalar_type()), "); built-in reductions take ",
-                                            complex_refused ? "real rows" : "rows of numbers",
+                                 ? c10::str("; built-in reductions take ", complex_refused ? "real rows" : "rows of numbers",
                                             ": give reductions= as a dict of "
                                             "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
                                             "exclude= its module")

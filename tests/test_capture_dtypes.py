@@ -4,6 +4,8 @@ part. Reference: the modules' outputs computed in plain PyTorch."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -80,12 +82,13 @@ def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_pa
     """reductions= for every hook point reaching a complex one: the refusal names the hook point,
     its dtype and the fix (reductions as a dict that leaves it out), which keeps its rows exact
     and reduces the others (it named the reduction only: 'needs real-valued rows, got dtype
-    ComplexFloat')."""
+    ComplexFloat'); the dtype is spelled as Python spells it."""
     m = Spectrum(torch.float32)
     xs = [torch.randn(5, 4) for _ in range(2)]
     store = (lambda name: tmp_path / name) if in_store else (lambda name: None)
-    with pytest.raises(CaptureError, match=r"hook point 'fft.output': reduction 'mean' needs real-valued rows.*"
-                                           r"\(torch\.complex64\).*reductions= as a dict of patterns that leaves "
+    with pytest.raises(CaptureError, match=r"hook point 'fft.output': reduction 'mean' needs real-valued rows, got "
+                                           r"dtype torch\.complex64; built-in reductions take real rows: give "
+                                           r"reductions= as a dict of patterns that leaves "
                                            r"'fft.output' out.*exclude= its module"):
         with ActivationScope(store=store("s.zarr"), reductions=["mean"]).track(m):
             m(xs[0])
@@ -129,8 +132,10 @@ def test_reductions_refuse_bits_dtypes_naming_the_hook_point_and_fix(tmp_path, d
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls, bits=True))
     xs = [torch.randn(3, 4) for _ in range(2)]
-    with pytest.raises(CaptureError, match=r"hook point '1\.output': reduction 'mean' needs rows of numbers.*"
-                                           r"reductions= as a dict of patterns that leaves '1\.output' out.*"
+    with pytest.raises(CaptureError, match=rf"hook point '1\.output': reduction 'mean' needs rows of numbers "
+                                           rf"torch converts to float64, got dtype {re.escape(str(dtype))}, "
+                                           r"which torch keeps as bits.*reductions= as a dict of patterns that "
+                                           r"leaves '1\.output' out.*"
                                            r"exclude= its module"):
         with torch.no_grad(), ActivationScope(reductions=["mean"]).track(m) as tracker:
             for x in xs:
@@ -182,7 +187,8 @@ def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, de
 @pytest.mark.parametrize("case", ["float8-in-a-store", "complex32-reduced"])
 def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
     """The native refusals wrote dtypes outside the common ones by c10's names
-    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch; they now
+    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch, and the
+    built-in reductions' every dtype so ('got dtype ComplexHalf (torch.complex32)'); they now
     write what a user types (torch.float8_e4m3fn, torch.complex32)."""
     dtype = torch.float8_e4m3fn if case.startswith("float8") else torch.complex32
     assert getattr(torch, str(dtype)[len("torch."):]) is dtype
@@ -194,7 +200,7 @@ def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
     else:
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype))
         scope = ActivationScope(reductions=["mean"])
-        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows.*\(torch\.complex32\)"
+        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows, got dtype torch\.complex32; "
     with pytest.raises(CaptureError, match=said):
         with torch.no_grad(), scope.track(m):
             for _ in range(2):
