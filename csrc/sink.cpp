@@ -393,8 +393,14 @@ void Sink::check_layout(const at::Tensor& x) const {
   }
   std::string uses;
   using Use = std::pair<bool, const char*>;
-  // (REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
-  for (auto [on, use] : {Use{options_.snapshot, "copied (CaptureMode.SNAPSHOT)"},
+  // (storage_dtype: a cast is a copy, under REFERENCE too, which options_.snapshot does not tell
+  // apart; REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
+  const std::string cast_copy = options_.storage_dtype
+                                    ? "copied (CaptureMode.SNAPSHOT, or storage_dtype=" +
+                                          dtype_name(*options_.storage_dtype) + ", whose cast is a copy)"
+                                    : std::string();
+  for (auto [on, use] : {Use{options_.snapshot && !options_.storage_dtype, "copied (CaptureMode.SNAPSHOT)"},
+                         Use{options_.snapshot && options_.storage_dtype, cast_copy.c_str()},
                          Use{copied && !options_.snapshot,
                              "copied (an inference tensor, made under torch.inference_mode(), which "
                              "CaptureMode.REFERENCE copies)"},
@@ -411,7 +417,7 @@ void Sink::check_layout(const at::Tensor& x) const {
             ": a capture records dense strided tensors with values. ", exclude,
             " (or give the capture a dense tensor: ", convert, "); an in-memory capture with ",
             "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a forward under "
-            "torch.no_grad() (not torch.inference_mode())");
+            "torch.no_grad() (not torch.inference_mode()) and without storage_dtype=");
 }
 
 namespace {

@@ -161,6 +161,34 @@ def test_reference_under_inference_mode_names_the_copy_and_the_fix_that_works(ki
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["first-call", "later-call"])
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_reference_with_storage_dtype_names_the_cast_and_the_fix_that_works(kind, later):
+    """storage_dtype= casts a copy under REFERENCE too, so such a tensor is refused there; the
+    message said 'cannot be copied (CaptureMode.SNAPSHOT)' and offered an in-memory REFERENCE
+    capture without reductions under torch.no_grad() as the fix, which the capture already was.
+    It now names storage_dtype and offers the capture without it, which keeps the tensor."""
+    model = _later_model(kind) if later else _model(kind)
+    call = 2 if later else 1
+    said = (rf"hook point '1\.output' is .*{KINDS[kind]}.*cannot be copied \(CaptureMode\.SNAPSHOT, or "
+            r"storage_dtype=torch\.bfloat16, whose cast is a copy\).*REFERENCE and no reductions keeps such a tensor "
+            r"as it is, in a forward under torch\.no_grad\(\) \(not torch\.inference_mode\(\)\) and without "
+            r"storage_dtype=")
+    with pytest.raises(acs.CaptureError, match=said):
+        with torch.no_grad(), acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE,
+                                                  storage_dtype=torch.bfloat16).track(model, include=["1"]):
+            for _ in range(call):
+                model(torch.randn(2, 3))
+    if later:
+        model[1].n_calls = 0
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE)
+    with torch.no_grad(), scope.track(model, include=["1"]) as tr:  # the fix it names
+        for _ in range(call):
+            out = model(torch.randn(2, 3))
+    record = tr.activations["1.output"][-1]
+    assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
+
+
 # ------------------------------------------------- dense first, sparse / nested / meta later
 
 
