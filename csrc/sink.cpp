@@ -425,6 +425,17 @@ constexpr size_t kPrunePending = 64;  // events kept before the done ones are le
 }  // namespace
 
 Sink::Record Sink::snapshot(const at::Tensor& x, bool check_overflow) {
+  const at::ScalarType own = x.scalar_type();
+  if (!has_real_numbers(own) && !x.is_complex() && !x.is_quantized() && !options_.storage_dtype &&
+      c10::elementSize(own) <= 2) {
+    // Bits (bits8, uint4, int2, float4_e2m1fn_x2, ...): torch has no strided copy of some (uint1 ...
+    // uint7, int1 ... int7 raise NotImplementedError), so their bytes are copied as the integers
+    // of their size (a view, any strides), and the record is seen as the dtype again.
+    Record rec = snapshot(x.view(c10::elementSize(own) == 1 ? at::kByte : at::kShort), check_overflow);
+    if (rec.t.defined()) rec.t = rec.t.view(own);
+    rec.dtype = own;
+    return rec;
+  }
   Record rec;
   const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
   const bool on_device = !x.device().is_cpu();

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, open_store
+from activationscope import ActivationScope, CaptureError, CaptureMode, ReductionPolicy, open_store
 
 
 class Spectrum(torch.nn.Module):
@@ -205,3 +205,32 @@ def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
         with torch.no_grad(), scope.track(m):
             for _ in range(2):
                 m(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("setup", ["snapshot", "keep-last", "reference-under-inference-mode"])
+@pytest.mark.parametrize("dtype", [*_BITS, *(getattr(torch, n) for n in ("int2", "bits16") if hasattr(torch, n))],
+                         ids=str)
+def test_strided_bits_are_copied_as_their_bytes(dtype, setup):
+    """A copy of a strided (here transposed) activation of bits made torch raise its bare
+    NotImplementedError ('"copy_kernel" not implemented for 'UInt4''), naming no hook point: torch
+    has no strided copy of uint1 ... uint7, int1 ... int7, nor a clone, so plain forward hooks
+    cannot keep one either. The record now holds its bytes, read as the model's output."""
+    integers = torch.uint8 if torch.empty(0, dtype=dtype).element_size() == 1 else torch.int16
+
+    class Transposed(torch.nn.Module):
+        def forward(self, x):
+            return (x.abs() * 7).to(integers).view(dtype).t()
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Transposed())
+    kw = {"keep-last": {"reduction_policy": ReductionPolicy.FINAL_ONLY},
+          "reference-under-inference-mode": {"capture_mode": CaptureMode.REFERENCE}}.get(setup, {})
+    grad = torch.inference_mode() if setup.startswith("reference") else torch.no_grad()
+    xs = [torch.randn(3, 4), torch.randn(5, 4)]
+    with grad, ActivationScope(**kw).track(m) as tracker:
+        outs = [m(x) for x in xs]
+    got = tracker.activations["1.output"]
+    want = outs[-1:] if setup == "keep-last" else outs
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.shape == w.shape and torch.equal(g.view(integers), w.view(integers))
