@@ -329,6 +329,18 @@ bool is_fake(const at::Tensor& x) {
   }
 }
 
+// Whether `x` holds bits (bits8, uint4, int2, float4_e2m1fn_x2, ...: a dtype without arithmetic),
+// which torch cannot always copy: it has no strided copy of uint1 ... uint7 or int1 ... int7
+// (NotImplementedError). bits_as_integers(x) is x viewed as the integers of its element size
+// (any strides), which any copy takes.
+bool is_bits(const at::Tensor& x) {
+  const at::ScalarType t = x.scalar_type();
+  return !has_real_numbers(t) && !x.is_complex() && !x.is_quantized() && c10::elementSize(t) <= 2;
+}
+at::Tensor bits_as_integers(const at::Tensor& x) {
+  return x.view(c10::elementSize(x.scalar_type()) == 1 ? at::kByte : at::kShort);
+}
+
 }  // namespace
 
 void Sink::check_layout(const at::Tensor& x) const {
@@ -426,12 +438,8 @@ constexpr size_t kPrunePending = 64;  // events kept before the done ones are le
 
 Sink::Record Sink::snapshot(const at::Tensor& x, bool check_overflow) {
   const at::ScalarType own = x.scalar_type();
-  if (!has_real_numbers(own) && !x.is_complex() && !x.is_quantized() && !options_.storage_dtype &&
-      c10::elementSize(own) <= 2) {
-    // Bits (bits8, uint4, int2, float4_e2m1fn_x2, ...): torch has no strided copy of some (uint1 ...
-    // uint7, int1 ... int7 raise NotImplementedError), so their bytes are copied as the integers
-    // of their size (a view, any strides), and the record is seen as the dtype again.
-    Record rec = snapshot(x.view(c10::elementSize(own) == 1 ? at::kByte : at::kShort), check_overflow);
+  if (!options_.storage_dtype && is_bits(x)) {  // (copied as integers, the record seen as the bits again)
+    Record rec = snapshot(bits_as_integers(x), check_overflow);
     if (rec.t.defined()) rec.t = rec.t.view(own);
     rec.dtype = own;
     return rec;
@@ -776,7 +784,7 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
 
 namespace {
 uint32_t bytes_crc(const at::Tensor& x) {
-  const at::Tensor c = x.contiguous();
+  const at::Tensor c = (is_bits(x) ? bits_as_integers(x) : x).contiguous();
   return crc32c(0, c.const_data_ptr(), c.nbytes());
 }
 }  // namespace

@@ -207,14 +207,16 @@ def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
                 m(torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("setup", ["snapshot", "keep-last", "reference-under-inference-mode"])
+@pytest.mark.parametrize("setup", ["snapshot", "keep-last", "snapshot-under-inference-mode",
+                                   "reference-under-inference-mode"])
 @pytest.mark.parametrize("dtype", [*_BITS, *(getattr(torch, n) for n in ("int2", "bits16") if hasattr(torch, n))],
                          ids=str)
 def test_strided_bits_are_copied_as_their_bytes(dtype, setup):
     """A copy of a strided (here transposed) activation of bits made torch raise its bare
     NotImplementedError ('"copy_kernel" not implemented for 'UInt4''), naming no hook point: torch
     has no strided copy of uint1 ... uint7, int1 ... int7, nor a clone, so plain forward hooks
-    cannot keep one either. The record now holds its bytes, read as the model's output."""
+    cannot keep one either; so did the bytes check of an alias (the Identity after it) under
+    torch.inference_mode(). The records now hold their bytes, read as the model's output."""
     integers = torch.uint8 if torch.empty(0, dtype=dtype).element_size() == 1 else torch.int16
 
     class Transposed(torch.nn.Module):
@@ -222,15 +224,16 @@ def test_strided_bits_are_copied_as_their_bytes(dtype, setup):
             return (x.abs() * 7).to(integers).view(dtype).t()
 
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Transposed())
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Transposed(), torch.nn.Identity())
     kw = {"keep-last": {"reduction_policy": ReductionPolicy.FINAL_ONLY},
           "reference-under-inference-mode": {"capture_mode": CaptureMode.REFERENCE}}.get(setup, {})
-    grad = torch.inference_mode() if setup.startswith("reference") else torch.no_grad()
+    grad = torch.inference_mode() if setup.endswith("inference-mode") else torch.no_grad()
     xs = [torch.randn(3, 4), torch.randn(5, 4)]
     with grad, ActivationScope(**kw).track(m) as tracker:
         outs = [m(x) for x in xs]
-    got = tracker.activations["1.output"]
     want = outs[-1:] if setup == "keep-last" else outs
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.dtype == dtype and g.shape == w.shape and torch.equal(g.view(integers), w.view(integers))
+    for hook_point in ("1.output", "2.output"):
+        got = tracker.activations[hook_point]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and g.shape == w.shape and torch.equal(g.view(integers), w.view(integers))
