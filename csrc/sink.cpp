@@ -357,9 +357,8 @@ void Sink::check_layout(const at::Tensor& x) const {
   const bool functorch = x.key_set().has_any(kFuncTorch);
   const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
   // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
-  // torch has no conversion of them to storage_dtype
-  const bool uncastable = options_.storage_dtype && !quantized && !x.is_complex() &&
-                          x.scalar_type() != *options_.storage_dtype && !has_real_numbers(x.scalar_type());
+  // torch has no conversion of them to storage_dtype (a floating-point dtype of numbers)
+  const bool uncastable = options_.storage_dtype && is_bits(x);
   if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
     return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
