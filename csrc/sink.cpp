@@ -645,11 +645,14 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
                     "or exclude= its module.");
   }
 
+  // The alias checks compare the model's tensor (the zeros made of a ZeroTensor are another
+  // tensor every call; its bytes check reads them as zeros, bytes_crc)
+  const at::Tensor& given = x_arg._is_zerotensor() ? x_arg : x;
   if (alias_of_) {
     // the target's tensor: handled; an in-memory alias's other calls are kept as its own below
-    if (consume_alias(x, token_mask)) return;
+    if (consume_alias(x, token_mask, given)) return;
   } else if (has_aliases_) {
-    remember_for_aliases(x);
+    remember_for_aliases(given);
   }
 
   const bool need_rows = writer_ || !reductions_.empty();
@@ -783,7 +786,9 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
 
 namespace {
 uint32_t bytes_crc(const at::Tensor& x) {
-  const at::Tensor c = (is_bits(x) ? bits_as_integers(x) : x).contiguous();
+  // (a ZeroTensor has no bytes: its values are zeros; bits are read as integers of their size)
+  const at::Tensor c = x._is_zerotensor() ? at::zeros(x.sizes(), x.options())
+                                          : (is_bits(x) ? bits_as_integers(x) : x).contiguous();
   return crc32c(0, c.const_data_ptr(), c.nbytes());
 }
 }  // namespace
@@ -1031,13 +1036,13 @@ void Sink::run_reductions(const at::Tensor& rows) {
   }
 }
 
-bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
+bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask, const at::Tensor& given) {
   Record shared;
   std::shared_ptr<c10::Event> event;
   if (shares_records_) {
-    if (!alias_of_->share_last_record(x, &shared, &event)) return false;  // kept as its own
+    if (!alias_of_->share_last_record(given, &shared, &event)) return false;  // kept as its own
   } else {
-    const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
+    const bool same = alias_of_->same_as_last(given, n_calls_ + call_offset_, /*release=*/true);
     if (!same) count_call(-1);
     ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
             "' (it was the same tensor when first captured), but in its call ", n_calls_ + 1,
