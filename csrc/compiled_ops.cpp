@@ -52,9 +52,11 @@ void with_gil(F&& fn) {
 }
 
 // `leaves` with those at `complex_leaves` (real (..., 2) views of complex tensors) viewed as
-// complex again: the values the model computed, in their dtype.
-std::vector<at::Tensor> as_captured(at::TensorList leaves, at::IntArrayRef complex_leaves) {
-  std::vector<at::Tensor> out(leaves.begin(), leaves.end());
+// complex again: the values the model computed, in their dtype. `leaves` itself when there is
+// none (no copy of the list per call); else the list is made in `out`.
+at::TensorList as_captured(at::TensorList leaves, at::IntArrayRef complex_leaves, std::vector<at::Tensor>& out) {
+  if (complex_leaves.empty()) return leaves;
+  out.assign(leaves.begin(), leaves.end());
   for (const int64_t i : complex_leaves) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(out.size()), "activationscope call op: complex leaf ", i,
                 " of ", out.size(), " leaves");
@@ -70,7 +72,8 @@ void call_begin(const at::Tensor& /*token*/, c10::string_view wrapper, at::Tenso
                 const std::vector<std::string>& names, const std::optional<at::Tensor>& first,
                 at::IntArrayRef complex_leaves) {
   const int64_t key = parse_key(wrapper);
-  const std::vector<at::Tensor> captured = as_captured(leaves, complex_leaves);
+  std::vector<at::Tensor> complex_again;
+  const at::TensorList captured = as_captured(leaves, complex_leaves, complex_again);
   with_gil([&] {
     if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_begin(captured, names, first ? *first : at::Tensor());
   });
@@ -79,7 +82,8 @@ void call_begin(const at::Tensor& /*token*/, c10::string_view wrapper, at::Tenso
 void call_end(const at::Tensor& /*token*/, c10::string_view wrapper, at::TensorList leaves,
               const std::vector<std::string>& names, at::IntArrayRef complex_leaves) {
   const int64_t key = parse_key(wrapper);
-  const std::vector<at::Tensor> captured = as_captured(leaves, complex_leaves);
+  std::vector<at::Tensor> complex_again;
+  const at::TensorList captured = as_captured(leaves, complex_leaves, complex_again);
   with_gil([&] {
     if (ForwardWrapper* w = ForwardWrapper::find(key)) w->op_end(captured, names);
   });

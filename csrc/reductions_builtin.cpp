@@ -192,13 +192,19 @@ class Builtin : public Reduction {
     per_feature_ = pf == 1;
   }
 
-  void check(const at::Tensor& rows_in) const override {
+  // Rows a built-in reduction can read: real numbers torch converts to float64 (not complex,
+  // not bits). Sink::run_reductions tells these refusals by their words.
+  void check_rows_dtype(const at::Tensor& rows_in) const {
     ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
     ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
-              "' needs real-valued rows, got dtype ", rows_in.scalar_type());
+              "' needs real-valued rows, got dtype ", dtype_name(rows_in.scalar_type()));
     ACS_CHECK(has_real_numbers(rows_in.scalar_type()), "reduction '", kind_,
-              "' needs rows of numbers torch converts to float64, got dtype ", rows_in.scalar_type(),
+              "' needs rows of numbers torch converts to float64, got dtype ", dtype_name(rows_in.scalar_type()),
               ", which torch keeps as bits without arithmetic");
+  }
+
+  void check(const at::Tensor& rows_in) const override {
+    check_rows_dtype(rows_in);
     if (per_feature_ && has_feat_ && rows_in.dim() >= 1 && rows_in.size(0) > 0) {
       const auto feat = rows_in.sizes().slice(1);
       ACS_CHECK(feat == at::IntArrayRef(feat_), "reduction '", kind_,
@@ -212,12 +218,7 @@ class Builtin : public Reduction {
 
   void update(const at::Tensor& rows_in, int64_t row_offset) override {
     at::AutoGradMode no_grad(false);
-    ACS_CHECK(rows_in.defined(), "reduction '", kind_, "' got an undefined tensor");
-    ACS_CHECK(!rows_in.is_complex(), "reduction '", kind_,
-              "' needs real-valued rows, got dtype ", rows_in.scalar_type());
-    ACS_CHECK(has_real_numbers(rows_in.scalar_type()), "reduction '", kind_,
-              "' needs rows of numbers torch converts to float64, got dtype ", rows_in.scalar_type(),
-              ", which torch keeps as bits without arithmetic");
+    check_rows_dtype(rows_in);
     at::Tensor rows = rows_in.dim() == 0 ? rows_in.reshape({1}) : rows_in;
     const int64_t n = rows.size(0);
     if (n == 0) return;  // an empty batch is a no-op

@@ -77,7 +77,7 @@ class ScriptReduction : public Reduction {
         out = module_->forward(std::move(in));
       } catch (const std::exception& e) {
         ACS_CHECK(false, "custom reduction '", label(), "' failed on rows of shape ",
-                  shape_str(rows.sizes()), " (", rows.scalar_type(), "): ", e.what());
+                  shape_str(rows.sizes()), " (", dtype_name(rows.scalar_type()), "): ", e.what());
       }
       // The rows are the model's activations (or the rows a store keeps): a reduction that
       // writes into them changes the model's forward and what is stored.
@@ -93,8 +93,9 @@ class ScriptReduction : public Reduction {
       // folded in: each batch would be folded in unlike the others, without an error.
       ACS_CHECK(!acc_in.defined() || (acc.sizes() == acc_in.sizes() && acc.scalar_type() == acc_in.scalar_type()),
                 "custom reduction '", label(), "' was given an accumulator of shape ", shape_str(acc_in.sizes()),
-                " (", acc_in.scalar_type(), ") and returned one of shape ", shape_str(acc.sizes()), " (",
-                acc.scalar_type(), "), on rows of shape ", shape_str(rows.sizes()), " (", rows.scalar_type(),
+                " (", dtype_name(acc_in.scalar_type()), ") and returned one of shape ", shape_str(acc.sizes()),
+                " (", dtype_name(acc.scalar_type()), "), on rows of shape ", shape_str(rows.sizes()), " (",
+                dtype_name(rows.scalar_type()),
                 "): the accumulator must keep its shape and dtype from batch to batch (one of another shape "
                 "broadcasts, so the batches would not be folded in alike); ",
                 acc_from_state_ ? "give init= (or the stored state) the shape and dtype the function returns"
@@ -140,7 +141,8 @@ class ScriptReduction : public Reduction {
     // (merge(a, b) of other shapes may broadcast: a () accumulator plus a (d,) one)
     ACS_CHECK(b.sizes() == acc_.sizes() && b.scalar_type() == acc_.scalar_type(), "merge of custom reduction '",
               label(), "' failed on accumulators of shapes ", shape_str(acc_.sizes()), " and ", shape_str(b.sizes()),
-              " (", acc_.scalar_type(), ", ", b.scalar_type(), "): they must have the same shape and dtype (states "
+              " (", dtype_name(acc_.scalar_type()), ", ", dtype_name(b.scalar_type()),
+              "): they must have the same shape and dtype (states "
               "of rows of other shapes, or of another hook point, do not merge)");
     own_acc();
     c10::IValue out;
@@ -148,14 +150,15 @@ class ScriptReduction : public Reduction {
       out = module_->get_method("merge")({acc_, b});
     } catch (const std::exception& e) {
       ACS_CHECK(false, "merge of custom reduction '", label(), "' failed on accumulators of shapes ",
-                shape_str(acc_.sizes()), " and ", shape_str(b.sizes()), " (", acc_.scalar_type(), ", ",
-                b.scalar_type(), "): ", e.what());
+                shape_str(acc_.sizes()), " and ", shape_str(b.sizes()), " (", dtype_name(acc_.scalar_type()), ", ",
+                dtype_name(b.scalar_type()), "): ", e.what());
     }
     ACS_CHECK(out.isTensor(), "merge of custom reduction '", label(), "' must return a Tensor");
     at::Tensor merged = out.toTensor().detach();
     ACS_CHECK(merged.sizes() == acc_.sizes() && merged.scalar_type() == acc_.scalar_type(), "merge of custom reduction '",
-              label(), "' was given accumulators of shape ", shape_str(acc_.sizes()), " (", acc_.scalar_type(),
-              ") and returned one of shape ", shape_str(merged.sizes()), " (", merged.scalar_type(),
+              label(), "' was given accumulators of shape ", shape_str(acc_.sizes()), " (",
+              dtype_name(acc_.scalar_type()), ") and returned one of shape ", shape_str(merged.sizes()), " (",
+              dtype_name(merged.scalar_type()),
               "): merge(a, b) must return a tensor of the accumulators' shape and dtype");
     acc_ = std::move(merged);
     note_acc_finite();

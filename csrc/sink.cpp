@@ -9,7 +9,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
-#include <cctype>
 #include <cstdio>
 #include <cstring>
 
@@ -31,36 +30,6 @@ struct SlabRef {
 };
 void release_slab_ref(void* ctx) { delete static_cast<SlabRef*>(ctx); }
 constexpr int64_t kCopied = -1;  // versions_ entry of a REFERENCE record that is a copy
-
-// The torch name of a dtype, as a Python user writes it ("float32", not "Float").
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kComplexFloat: return "torch.complex64";
-    case at::kComplexDouble: return "torch.complex128";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kByte: return "torch.uint8";
-    case at::kUInt16: return "torch.uint16";
-    case at::kUInt32: return "torch.uint32";
-    case at::kUInt64: return "torch.uint64";
-    case at::kBool: return "torch.bool";
-    case at::kQInt8: return "torch.qint8";
-    case at::kQUInt8: return "torch.quint8";
-    case at::kQInt32: return "torch.qint32";
-    case at::kComplexHalf: return "torch.complex32";
-    default: {  // c10's name in Python's spelling: Float8_e4m3fn -> float8_e4m3fn, Bits8 -> bits8, UInt4 -> uint4
-      std::string name = c10::toString(t);
-      for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-      return "torch." + name;
-    }
-  }
-}
 
 // Whether any element's exponent bits are all ones (inf or NaN) in a contiguous buffer of
 // IEEE floats seen as unsigned integers: one pass, no allocation, vectorised by the compiler.
@@ -360,6 +329,18 @@ bool is_fake(const at::Tensor& x) {
   }
 }
 
+// Whether `x` holds bits (bits8, uint4, int2, float4_e2m1fn_x2, ...: a dtype without arithmetic),
+// which torch cannot always copy: it has no strided copy of uint1 ... uint7 or int1 ... int7
+// (NotImplementedError). bits_as_integers(x) is x viewed as the integers of its element size
+// (any strides), which any copy takes.
+bool is_bits(const at::Tensor& x) {
+  const at::ScalarType t = x.scalar_type();
+  return !has_real_numbers(t) && !x.is_complex() && !x.is_quantized() && c10::elementSize(t) <= 2;
+}
+at::Tensor bits_as_integers(const at::Tensor& x) {
+  return x.view(c10::elementSize(x.scalar_type()) == 1 ? at::kByte : at::kShort);
+}
+
 }  // namespace
 
 void Sink::check_layout(const at::Tensor& x) const {
@@ -376,9 +357,8 @@ void Sink::check_layout(const at::Tensor& x) const {
   const bool functorch = x.key_set().has_any(kFuncTorch);
   const bool no_bytes = !nested && strided && !x.is_meta() && !quantized && has_no_bytes(x);
   // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
-  // torch has no conversion of them to storage_dtype
-  const bool uncastable = options_.storage_dtype && !quantized && !x.is_complex() &&
-                          x.scalar_type() != *options_.storage_dtype && !has_real_numbers(x.scalar_type());
+  // torch has no conversion of them to storage_dtype (a floating-point dtype of numbers)
+  const bool uncastable = options_.storage_dtype && is_bits(x);
   if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
     return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
@@ -424,8 +404,14 @@ void Sink::check_layout(const at::Tensor& x) const {
   }
   std::string uses;
   using Use = std::pair<bool, const char*>;
-  // (REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
-  for (auto [on, use] : {Use{options_.snapshot, "copied (CaptureMode.SNAPSHOT)"},
+  // (storage_dtype: a cast is a copy, under REFERENCE too, which options_.snapshot does not tell
+  // apart; REFERENCE copies an inference tensor: it has no version counter to tell later changes by)
+  const std::string cast_copy = options_.storage_dtype
+                                    ? "copied (CaptureMode.SNAPSHOT, or storage_dtype=" +
+                                          dtype_name(*options_.storage_dtype) + ", whose cast is a copy)"
+                                    : std::string();
+  for (auto [on, use] : {Use{options_.snapshot && !options_.storage_dtype, "copied (CaptureMode.SNAPSHOT)"},
+                         Use{options_.snapshot && options_.storage_dtype, cast_copy.c_str()},
                          Use{copied && !options_.snapshot,
                              "copied (an inference tensor, made under torch.inference_mode(), which "
                              "CaptureMode.REFERENCE copies)"},
@@ -442,7 +428,7 @@ void Sink::check_layout(const at::Tensor& x) const {
             ": a capture records dense strided tensors with values. ", exclude,
             " (or give the capture a dense tensor: ", convert, "); an in-memory capture with ",
             "capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a forward under "
-            "torch.no_grad() (not torch.inference_mode())");
+            "torch.no_grad() (not torch.inference_mode()) and without storage_dtype=");
 }
 
 namespace {
@@ -450,6 +436,13 @@ constexpr size_t kPrunePending = 64;  // events kept before the done ones are le
 }  // namespace
 
 Sink::Record Sink::snapshot(const at::Tensor& x, bool check_overflow) {
+  const at::ScalarType own = x.scalar_type();
+  if (!options_.storage_dtype && is_bits(x)) {  // (copied as integers, the record seen as the bits again)
+    Record rec = snapshot(bits_as_integers(x), check_overflow);
+    if (rec.t.defined()) rec.t = rec.t.view(own);
+    rec.dtype = own;
+    return rec;
+  }
   Record rec;
   const at::ScalarType dtype = options_.storage_dtype.value_or(x.scalar_type());
   const bool on_device = !x.device().is_cpu();
@@ -652,11 +645,14 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
                     "or exclude= its module.");
   }
 
+  // The alias checks compare the model's tensor (the zeros made of a ZeroTensor are another
+  // tensor every call; its bytes check reads them as zeros, bytes_crc)
+  const at::Tensor& given = x_arg._is_zerotensor() ? x_arg : x;
   if (alias_of_) {
     // the target's tensor: handled; an in-memory alias's other calls are kept as its own below
-    if (consume_alias(x, token_mask)) return;
+    if (consume_alias(x, token_mask, given)) return;
   } else if (has_aliases_) {
-    remember_for_aliases(x);
+    remember_for_aliases(given);
   }
 
   const bool need_rows = writer_ || !reductions_.empty();
@@ -790,7 +786,9 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
 
 namespace {
 uint32_t bytes_crc(const at::Tensor& x) {
-  const at::Tensor c = x.contiguous();
+  // (a ZeroTensor has no bytes: its values are zeros; bits are read as integers of their size)
+  const at::Tensor c = x._is_zerotensor() ? at::zeros(x.sizes(), x.options())
+                                          : (is_bits(x) ? bits_as_integers(x) : x).contiguous();
   return crc32c(0, c.const_data_ptr(), c.nbytes());
 }
 }  // namespace
@@ -1030,8 +1028,7 @@ void Sink::run_reductions(const at::Tensor& rows) {
                               what.find("needs rows of numbers") != std::string::npos;
     throw UserError(c10::str("hook point '", name_, "': ", what,
                              complex_refused || bits_refused
-                                 ? c10::str(" (", dtype_name(rows.scalar_type()), "); built-in reductions take ",
-                                            complex_refused ? "real rows" : "rows of numbers",
+                                 ? c10::str("; built-in reductions take ", complex_refused ? "real rows" : "rows of numbers",
                                             ": give reductions= as a dict of "
                                             "patterns that leaves '", name_, "' out ({\"pattern\": [...]}), or "
                                             "exclude= its module")
@@ -1039,13 +1036,13 @@ void Sink::run_reductions(const at::Tensor& rows) {
   }
 }
 
-bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask) {
+bool Sink::consume_alias(const at::Tensor& x, const at::Tensor& token_mask, const at::Tensor& given) {
   Record shared;
   std::shared_ptr<c10::Event> event;
   if (shares_records_) {
-    if (!alias_of_->share_last_record(x, &shared, &event)) return false;  // kept as its own
+    if (!alias_of_->share_last_record(given, &shared, &event)) return false;  // kept as its own
   } else {
-    const bool same = alias_of_->same_as_last(x, n_calls_ + call_offset_, /*release=*/true);
+    const bool same = alias_of_->same_as_last(given, n_calls_ + call_offset_, /*release=*/true);
     if (!same) count_call(-1);
     ACS_CHECK(same, "hook point '", name_, "' is stored once, as an alias of '", alias_of_->name(),
             "' (it was the same tensor when first captured), but in its call ", n_calls_ + 1,

@@ -241,8 +241,9 @@ class Sink {
   bool last_record_locked(Record* rec, std::shared_ptr<c10::Event>* event);  // under mu_
   // An alias's call: true when it was its target's tensor (handled: reductions run, and in
   // memory the target's record kept); false when an in-memory alias must keep this call as
-  // its own record. A store alias raises CaptureError instead. Under mu_.
-  bool consume_alias(const at::Tensor& x, const at::Tensor& token_mask);
+  // its own record. A store alias raises CaptureError instead. Under mu_. `given`: the tensor
+  // the model gave, compared with the target's (x, unless x is the zeros made of a ZeroTensor).
+  bool consume_alias(const at::Tensor& x, const at::Tensor& token_mask, const at::Tensor& given);
   // update_reductions on this hook point's rows; a CaptureError of a reduction (rows of
   // another feature shape, complex rows) is raised again naming the hook point. Under mu_.
   void reduce(const at::Tensor& rows);

@@ -4,11 +4,13 @@ part. Reference: the modules' outputs computed in plain PyTorch."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
-from activationscope import ActivationScope, CaptureError, open_store
+from activationscope import ActivationScope, CaptureError, CaptureMode, ReductionPolicy, open_store
 
 
 class Spectrum(torch.nn.Module):
@@ -80,12 +82,13 @@ def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_pa
     """reductions= for every hook point reaching a complex one: the refusal names the hook point,
     its dtype and the fix (reductions as a dict that leaves it out), which keeps its rows exact
     and reduces the others (it named the reduction only: 'needs real-valued rows, got dtype
-    ComplexFloat')."""
+    ComplexFloat'); the dtype is spelled as Python spells it."""
     m = Spectrum(torch.float32)
     xs = [torch.randn(5, 4) for _ in range(2)]
     store = (lambda name: tmp_path / name) if in_store else (lambda name: None)
-    with pytest.raises(CaptureError, match=r"hook point 'fft.output': reduction 'mean' needs real-valued rows.*"
-                                           r"\(torch\.complex64\).*reductions= as a dict of patterns that leaves "
+    with pytest.raises(CaptureError, match=r"hook point 'fft.output': reduction 'mean' needs real-valued rows, got "
+                                           r"dtype torch\.complex64; built-in reductions take real rows: give "
+                                           r"reductions= as a dict of patterns that leaves "
                                            r"'fft.output' out.*exclude= its module"):
         with ActivationScope(store=store("s.zarr"), reductions=["mean"]).track(m):
             m(xs[0])
@@ -104,18 +107,19 @@ def test_reductions_refusing_a_complex_hook_point_name_the_fix_that_works(tmp_pa
 _BITS = [getattr(torch, name) for name in ("bits8", "uint4", "float4_e2m1fn_x2") if hasattr(torch, name)]
 
 
-class _AsBits(torch.nn.Module):
-    """x * 1 on its first ``dense_calls`` calls, then its bytes (as uint8) viewed as ``dtype``."""
+class _AsDtype(torch.nn.Module):
+    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)`` (``bits``: its bytes, as
+    uint8, viewed as ``dtype``)."""
 
-    def __init__(self, dtype, dense_calls: int = 0):
+    def __init__(self, dtype, dense_calls: int = 0, bits: bool = False):
         super().__init__()
-        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+        self.dtype, self.dense_calls, self.bits, self.calls = dtype, dense_calls, bits, 0
 
     def forward(self, x):
         self.calls += 1
         if self.calls <= self.dense_calls:
             return x * 1
-        return (x.abs() * 7).to(torch.uint8).view(self.dtype)
+        return (x.abs() * 7).to(torch.uint8).view(self.dtype) if self.bits else x.to(self.dtype)
 
 
 @pytest.mark.parametrize("dense_calls", [0, 1], ids=["first-call", "later-call"])
@@ -126,10 +130,12 @@ def test_reductions_refuse_bits_dtypes_naming_the_hook_point_and_fix(tmp_path, d
     the hook point nor the fix. Now a CaptureError names both; the refused forward keeps
     nothing, and the fix (reductions= that leaves it out) keeps its bits exactly."""
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls, bits=True))
     xs = [torch.randn(3, 4) for _ in range(2)]
-    with pytest.raises(CaptureError, match=r"hook point '1\.output': reduction 'mean' needs rows of numbers.*"
-                                           r"reductions= as a dict of patterns that leaves '1\.output' out.*"
+    with pytest.raises(CaptureError, match=rf"hook point '1\.output': reduction 'mean' needs rows of numbers "
+                                           rf"torch converts to float64, got dtype {re.escape(str(dtype))}, "
+                                           r"which torch keeps as bits.*reductions= as a dict of patterns that "
+                                           r"leaves '1\.output' out.*"
                                            r"exclude= its module"):
         with torch.no_grad(), ActivationScope(reductions=["mean"]).track(m) as tracker:
             for x in xs:
@@ -161,7 +167,7 @@ def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, de
     if dense_calls == 0 and not dtype.is_floating_point:
         pytest.skip("a first call of bits is not floating-point: storage_dtype leaves it as it is")
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsBits(dtype, dense_calls))
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype, dense_calls, bits=True))
     x = torch.randn(3, 4)
     path = tmp_path / "s.zarr"
     with pytest.raises(CaptureError, match=rf"hook point '1\.output' is torch\.\w+ in its call {dense_calls + 1}, "
@@ -181,7 +187,8 @@ def test_storage_dtype_refuses_bits_it_cannot_cast(tmp_path, dtype, in_store, de
 @pytest.mark.parametrize("case", ["float8-in-a-store", "complex32-reduced"])
 def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
     """The native refusals wrote dtypes outside the common ones by c10's names
-    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch; they now
+    ('torch.Float8_e4m3fn', 'torch.ComplexHalf'), which are no attributes of torch, and the
+    built-in reductions' every dtype so ('got dtype ComplexHalf (torch.complex32)'); they now
     write what a user types (torch.float8_e4m3fn, torch.complex32)."""
     dtype = torch.float8_e4m3fn if case.startswith("float8") else torch.complex32
     assert getattr(torch, str(dtype)[len("torch."):]) is dtype
@@ -193,20 +200,40 @@ def test_native_messages_spell_dtypes_as_python_does(tmp_path, case):
     else:
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), _AsDtype(dtype))
         scope = ActivationScope(reductions=["mean"])
-        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows.*\(torch\.complex32\)"
+        said = r"hook point '1\.output': reduction 'mean' needs real-valued rows, got dtype torch\.complex32; "
     with pytest.raises(CaptureError, match=said):
         with torch.no_grad(), scope.track(m):
             for _ in range(2):
                 m(torch.randn(3, 4))
 
 
-class _AsDtype(torch.nn.Module):
-    """x * 1 on its first ``dense_calls`` calls, then ``x.to(dtype)``."""
+@pytest.mark.parametrize("setup", ["snapshot", "keep-last", "snapshot-under-inference-mode",
+                                   "reference-under-inference-mode"])
+@pytest.mark.parametrize("dtype", [*_BITS, *(getattr(torch, n) for n in ("int2", "bits16") if hasattr(torch, n))],
+                         ids=str)
+def test_strided_bits_are_copied_as_their_bytes(dtype, setup):
+    """A copy of a strided (here transposed) activation of bits made torch raise its bare
+    NotImplementedError ('"copy_kernel" not implemented for 'UInt4''), naming no hook point: torch
+    has no strided copy of uint1 ... uint7, int1 ... int7, nor a clone, so plain forward hooks
+    cannot keep one either; so did the bytes check of an alias (the Identity after it) under
+    torch.inference_mode(). The records now hold their bytes, read as the model's output."""
+    integers = torch.uint8 if torch.empty(0, dtype=dtype).element_size() == 1 else torch.int16
 
-    def __init__(self, dtype, dense_calls: int = 0):
-        super().__init__()
-        self.dtype, self.dense_calls, self.calls = dtype, dense_calls, 0
+    class Transposed(torch.nn.Module):
+        def forward(self, x):
+            return (x.abs() * 7).to(integers).view(dtype).t()
 
-    def forward(self, x):
-        self.calls += 1
-        return x * 1 if self.calls <= self.dense_calls else x.to(self.dtype)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Transposed(), torch.nn.Identity())
+    kw = {"keep-last": {"reduction_policy": ReductionPolicy.FINAL_ONLY},
+          "reference-under-inference-mode": {"capture_mode": CaptureMode.REFERENCE}}.get(setup, {})
+    grad = torch.inference_mode() if setup.endswith("inference-mode") else torch.no_grad()
+    xs = [torch.randn(3, 4), torch.randn(5, 4)]
+    with grad, ActivationScope(**kw).track(m) as tracker:
+        outs = [m(x) for x in xs]
+    want = outs[-1:] if setup == "keep-last" else outs
+    for hook_point in ("1.output", "2.output"):
+        got = tracker.activations[hook_point]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and g.shape == w.shape and torch.equal(g.view(integers), w.view(integers))

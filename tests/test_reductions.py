@@ -548,7 +548,7 @@ def test_capture_reduction_errors_name_the_hook_point(case, in_store, names, tmp
     assert "'inner.output'" in msg
     if not in_store:
         assert "reduction 'mean'" in msg
-        assert ("(4,) after (3,)" if case == "shape_change" else "real-valued rows, got dtype ComplexFloat") in msg
+        assert ("(4,) after (3,)" if case == "shape_change" else "real-valued rows, got dtype torch.complex64") in msg
 
 
 @pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
@@ -1084,7 +1084,8 @@ def test_script_reduction_error_names_the_function_or_the_file(tmp_path):
         return x.reshape(7, -1)
 
     r = R.make_reduction(bad_shape)
-    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed on rows of shape \(3, 2\)"):
+    with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed on rows of shape \(3, 2\) "
+                                           r"\(torch\.float32\)"):
         r.update(torch.ones(3, 2))
     with pytest.raises(CaptureError, match=r"custom reduction 'bad_shape' failed"):
         r.fresh().update(torch.ones(3, 2))
@@ -2637,7 +2638,7 @@ def test_an_accumulator_that_changes_shape_is_refused_before_it_is_kept(eager, i
     name = fn.__name__
     with pytest.raises(CaptureError, match=(
             rf"hook point '0.output': custom reduction '{name}' (\(eager\) )?was given an accumulator of shape \(\) "
-            rf"\((torch.float64|Double)\) and returned one of shape \(4,\) .*on rows of shape \(5, 4\).*keep its shape "
+            rf"\(torch\.float64\) and returned one of shape \(4,\) .*on rows of shape \(5, 4\).*keep its shape "
             rf"and dtype from batch to batch.*make the function return a tensor of its accumulator's shape")):
         with torch.no_grad(), scope.track(model) as tracker:
             for x in xs:
@@ -2663,8 +2664,8 @@ def test_an_init_of_another_shape_or_dtype_is_refused_on_the_first_batch(eager):
     name = fn.__name__
     model = torch.nn.Sequential(torch.nn.Linear(3, 1)).eval()
     for init, what in [(torch.tensor(100.0, dtype=torch.float64), r"shape \(\) .* returned one of shape \(1,\)"),
-                       (torch.zeros(1, dtype=torch.float32), r"shape \(1,\) \((torch.float32|Float)\) and returned one "
-                                                             r"of shape \(1,\) \((torch.float64|Double)\)")]:
+                       (torch.zeros(1, dtype=torch.float32), r"shape \(1,\) \(torch\.float32\) and returned one "
+                                                             r"of shape \(1,\) \(torch\.float64\)")]:
         with pytest.raises(CaptureError, match=rf"hook point '0.output': custom reduction '{name}'.* was given an "
                                                rf"accumulator of {what}.*give init= \(or the stored state\) the shape "
                                                rf"and dtype the function returns"):
@@ -2688,8 +2689,8 @@ def test_an_accumulator_that_changes_dtype_is_refused(eager):
     assert isinstance(r, R.EagerReduction) == eager
     x = torch.randn(7, 3)
     r.update(x[:3])
-    with pytest.raises(CaptureError, match=r"given an accumulator of shape \(3,\) \((torch.float16|Half)\) and returned "
-                                           r"one of shape \(3,\) \((torch.float32|Float)\)"):
+    with pytest.raises(CaptureError, match=r"given an accumulator of shape \(3,\) \(torch\.float16\) and returned "
+                                           r"one of shape \(3,\) \(torch\.float32\)"):
         r.update(x[3:])
     assert torch.equal(r.result()["value"], x[:3].sum(0).half())
 
@@ -2718,7 +2719,7 @@ def test_a_merge_of_accumulators_of_other_shapes_is_refused():
     a.update(torch.ones(2, 3))
     b.update(torch.ones(1, 3))
     with pytest.raises(CaptureError, match=r"merge of custom reduction 'MergeReturnsTotal' was given accumulators of "
-                                           r"shape \(3,\) \(Double\) and returned one of shape \(\)"):
+                                           r"shape \(3,\) \(torch\.float64\) and returned one of shape \(\)"):
         a.merge(b)
     assert a.result()["value"].tolist() == [2.0, 2.0, 2.0]
 

@@ -2597,7 +2597,10 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.capture_mode is CaptureMode.SNAPSHOT or self.scope.storage_dtype is not None:
+        if self.scope.storage_dtype is not None:  # (a cast is a copy, in either mode: the native message's words)
+            uses.append(f"copied (CaptureMode.SNAPSHOT, or storage_dtype={self.scope.storage_dtype}, whose cast is a "
+                        "copy)")
+        elif self.scope.capture_mode is CaptureMode.SNAPSHOT:
             uses.append("copied (CaptureMode.SNAPSHOT)")
         elif tensor.is_inference():  # (no version counter to tell later changes by: REFERENCE copies it)
             uses.append("copied (an inference tensor, made under torch.inference_mode(), which CaptureMode.REFERENCE "
@@ -2615,7 +2618,7 @@ class Tracker:
             f"which cannot be {' or '.join(uses)}: a capture records dense strided tensors with values. "
             f"Pass exclude=[{module!r}] to track() (or give the capture a dense tensor: {convert}); an in-memory "
             "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a "
-            "forward under torch.no_grad() (not torch.inference_mode())"
+            "forward under torch.no_grad() (not torch.inference_mode()) and without storage_dtype="
         )
 
     def _cast_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
