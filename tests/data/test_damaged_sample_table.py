@@ -3,8 +3,9 @@
 The per-sample columns of token rows (``label``, ``text``) come from the store's sample row
 table. Its read was wrapped in ``except Exception``, taken as "the store has no sample table":
 a part with another crc32c, or a part missing, then read as a dataset whose ``columns=
-["label"]`` "are not in the token row table", a filter on ``label`` that named no column, and an
-export that left the column out without a word. Each now raises the StoreCorruptError naming the part. A
+["label"]`` "are not in the token row table", a filter on ``label`` that named no column, an
+export that left the column out without a word, and a report whose ``label_column`` was "not a
+column of the store's row tables". Each now raises the StoreCorruptError naming the part. A
 store with no sample rows reads an empty sample table, as before."""
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def test_an_export_of_a_damaged_sample_table_raises_its_damage(damaged, tmp_path
     with pytest.raises(StoreCorruptError, match=key):
         export_parquet(path, tmp_path / "out.parquet", columns=columns)
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_report_label_column_of_a_damaged_sample_table_raises_its_damage(damaged, tmp_path):
+    pytest.importorskip("matplotlib")
+    from activationscope.analysis.report import write_report
+
+    path, key = damaged
+    with pytest.raises(StoreCorruptError, match=key):
+        write_report(path, tmp_path / "report", label_column="label")
 
 
 def test_a_store_without_a_sample_table_reads_its_token_columns_as_before(intact, tmp_path):
