@@ -802,18 +802,7 @@ class ActivationDataset(Dataset):
             have = self._row_columns()  # (the columns read once rows are selected: _column_values)
             missing = [c for c in self.columns if c not in have]
             if missing:
-                store = getattr(self.source, "store", None)
-                status = getattr(store, "status", None)
-                empty = ""
-                if self.n_store_rows == 0 and status not in (None, "complete"):
-                    # (set_batch's columns reach the row table with the first commit)
-                    empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
-                             "columns given to set_batch appear with its first commit; call store.refresh() and "
-                             "make the dataset again once rows are committed")
-                raise ArgumentValueError(
-                    f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {have}{column_hint(missing, have)}{empty}"
-                )
+                raise self._missing_columns_error(missing, have)
         clash = set(self.columns) & set(self.hook_points)
         if clash:
             raise ArgumentValueError(f"column names clash with hook point names: {sorted(clash)}")
@@ -873,6 +862,24 @@ class ActivationDataset(Dataset):
                 "missing from one, their row i is not row i of the table), so columns, filter and sample_ids cannot be used "
                 "with them; read them without those (rows= still selects stored rows)"
             )
+
+    def _missing_columns_error(self, missing: list[str], have: list[str]) -> ArgumentValueError:
+        """The error of ``columns=`` naming columns ``missing`` that the row table (its columns
+        ``have``) lacks, with the closest names, and, of a store whose capture has committed no
+        row yet, that set_batch's columns appear with its first commit (a dataset's and an
+        export's ``columns=`` alike)."""
+        store = getattr(self.source, "store", None)
+        status = getattr(store, "status", None)
+        empty = ""
+        if self.n_store_rows == 0 and status not in (None, "complete"):
+            # (set_batch's columns reach the row table with the first commit)
+            empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
+                     "columns given to set_batch appear with its first commit; call store.refresh() and "
+                     "make the dataset (or export) again once rows are committed")
+        return ArgumentValueError(
+            f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
+            f"it has {have}{column_hint(missing, have)}{empty}"
+        )
 
     def _row_columns(self) -> list[str]:
         """The columns of the dataset's row table (a token table's with its samples' columns),
