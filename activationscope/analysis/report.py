@@ -576,6 +576,16 @@ def _is_report(index: Path) -> bool:
     return len(lines) > 1 and (lines[1] == _GENERATOR or (lines[1].startswith("<title>") and "<div class='meta'>" in head))
 
 
+def _row_table_kinds(store: Any) -> tuple[str, ...]:
+    """The kinds of row table ``store`` has: a store without rows of a kind reads an empty
+    table of it, one that keeps reductions only (``rows_stored`` False) has no token table, and
+    a store object with no ``row_table`` none. Asked of the store, never told by an error of a
+    read: a table that cannot be read (a damaged part) raises."""
+    if not callable(getattr(store, "row_table", None)):
+        return ()
+    return ("sample", "token") if getattr(store, "rows_stored", True) else ("sample",)
+
+
 def check_out_dir(out_dir: str | os.PathLike) -> Path:
     """The local folder a report's ``out_dir`` names: a path (``~`` expanded) or a ``file://``
     URL's path, checked exactly as that path.
@@ -687,6 +697,9 @@ def write_report(
         ``out_dir`` inside the store, or one holding an ``index.html`` that is not an earlier
         report (nothing in the folder is changed; an earlier report's page and plots are
         replaced).
+    StoreCorruptError
+        A row table the report reads (its columns, for ``label_column``) cannot be read: a
+        damaged or missing part, named (never taken as a store without that column).
     ImportError
         matplotlib is not installed (nothing is written, no folder made).
     """
@@ -704,11 +717,9 @@ def write_report(
         label_column = "label"
     else:
         columns: list[str] = []
-        for kind in ("sample", "token"):
-            try:
-                columns += [c for c in store.row_table(kind).column_names if c not in columns]
-            except Exception:  # noqa: BLE001 - a store without that row kind
-                continue
+        # (a table that cannot be read, a damaged part, raises its StoreError: never "no such column")
+        for kind in _row_table_kinds(store):
+            columns += [c for c in store.row_table(kind).column_names if c not in columns]
         if label_column not in columns:
             raise ArgumentValueError(
                 f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
@@ -802,10 +813,8 @@ def write_report(
         folds = _folds_used(probes, n_folds)
         notes = sorted({getattr(p, "note", "") for p in probes.values()} - {""})
         parts.append("<h2>Linear probes</h2>")
-        try:  # a per-token label column labels each token row (probed as it is, not pooled)
-            per_token = label_column in store.row_table("token").column_names
-        except Exception:  # noqa: BLE001 - a store without token rows
-            per_token = False
+        # a per-token label column labels each token row (probed as it is, not pooled)
+        per_token = "token" in _row_table_kinds(store) and label_column in store.row_table("token").column_names
         rows = (f"one row per token row of token hook points (the label column {label_column!r} is per token; "
                 "sample rows as they are)" if per_token else
                 "one row per sample (token rows mean-pooled per sample)")

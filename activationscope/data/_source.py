@@ -68,7 +68,9 @@ class RowSource(Protocol):
 
     def row_table(self, kind: str) -> Any:
         """The row table of ``kind`` as a ``pyarrow.Table`` (optionally with a ``columns``
-        keyword: only those columns, as ``Store.row_table`` reads them)."""
+        keyword: only those columns, as ``Store.row_table`` reads them). A store with no rows
+        of ``kind`` gives an empty table (as ``Store.row_table`` does): what it raises is
+        damage or a failed read, never taken as a store without that table."""
 
     def row_blocks(self, hook_point: str) -> tuple[list[int], bool]:
         """``(bounds [0, ..., n_rows], views)``: the units to read in; ``views`` True when

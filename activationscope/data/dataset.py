@@ -24,7 +24,6 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils import collate as _torch_collate
 
 from ..errors import (
-    ActivationScopeError,
     ArgumentTypeError,
     ArgumentValueError,
     HookPointNotFoundError,
@@ -803,18 +802,7 @@ class ActivationDataset(Dataset):
             have = self._row_columns()  # (the columns read once rows are selected: _column_values)
             missing = [c for c in self.columns if c not in have]
             if missing:
-                store = getattr(self.source, "store", None)
-                status = getattr(store, "status", None)
-                empty = ""
-                if self.n_store_rows == 0 and status not in (None, "complete"):
-                    # (set_batch's columns reach the row table with the first commit)
-                    empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
-                             "columns given to set_batch appear with its first commit; call store.refresh() and "
-                             "make the dataset again once rows are committed")
-                raise ArgumentValueError(
-                    f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
-                    f"it has {have}{column_hint(missing, have)}{empty}"
-                )
+                raise self._missing_columns_error(missing, have)
         clash = set(self.columns) & set(self.hook_points)
         if clash:
             raise ArgumentValueError(f"column names clash with hook point names: {sorted(clash)}")
@@ -875,16 +863,32 @@ class ActivationDataset(Dataset):
                 "with them; read them without those (rows= still selects stored rows)"
             )
 
+    def _missing_columns_error(self, missing: list[str], have: list[str]) -> ArgumentValueError:
+        """The error of ``columns=`` naming columns ``missing`` that the row table (its columns
+        ``have``) lacks, with the closest names, and, of a store whose capture has committed no
+        row yet, that set_batch's columns appear with its first commit (a dataset's and an
+        export's ``columns=`` alike)."""
+        store = getattr(self.source, "store", None)
+        status = getattr(store, "status", None)
+        empty = ""
+        if self.n_store_rows == 0 and status not in (None, "complete"):
+            # (set_batch's columns reach the row table with the first commit)
+            empty = (f": the store is {status} with no committed row yet (a capture still running?), and "
+                     "columns given to set_batch appear with its first commit; call store.refresh() and "
+                     "make the dataset (or export) again once rows are committed")
+        return ArgumentValueError(
+            f"columns {missing} are not in the {self.row_kind} row table of {self.source.describe()}; "
+            f"it has {have}{column_hint(missing, have)}{empty}"
+        )
+
     def _row_columns(self) -> list[str]:
         """The columns of the dataset's row table (a token table's with its samples' columns),
         from the tables' schemas: no column is decoded but those the table's checks read."""
         self._refuse_lost()
         names = list(self.source.row_schema(self.row_kind).names)
         if self.row_kind == "token" and "sample_id" in names:
-            try:
-                samples = self.source.row_schema("sample").names
-            except Exception:  # a store without a sample table (as _with_sample_columns reads it)
-                samples = []
+            # (a store with no sample rows has an empty sample table: a failed read is damage, raised)
+            samples = self.source.row_schema("sample").names
             if "sample_id" in samples:
                 names += [c for c in samples if c not in names]
         return names
@@ -1065,10 +1069,15 @@ class ActivationDataset(Dataset):
         self._ids = chosen.contiguous()
 
     def _stored_sample_ids(self, id_type: pa.DataType) -> pa.ChunkedArray | None:
-        """The ids of the store's ``sample`` row table as ``id_type``; None without one."""
+        """The ids of the store's ``sample`` row table as ``id_type``; None where it has no
+        ``sample_id`` column or its ids are not of that type. A table that cannot be read
+        (StoreCorruptError of a damaged part) raises: never taken as a store without samples."""
+        ids = self.source.row_table("sample", ["sample_id"])
+        if "sample_id" not in ids.column_names:
+            return None
         try:
-            return self.source.row_table("sample", ["sample_id"]).column("sample_id").cast(id_type)
-        except (KeyError, OSError, ActivationScopeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return ids.column("sample_id").cast(id_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return None
 
     def _samples_without_rows(self, wanted: pa.Array) -> bool:
@@ -1580,15 +1589,14 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
     (and its keys): only the keys and the ``wanted`` columns the token table lacks are then
     read of the sample table (``wanted`` must be given).
 
-    Raises ActivationScopeError when such a column is wanted."""
-    try:
-        if token_columns is None:
-            samples = source.row_table("sample")
-        else:
-            own = set(token_columns)
-            samples = source.row_table("sample", [*_SAMPLE_KEY, *(c for c in wanted if c not in own)])
-    except Exception:  # a store without a sample table
-        return tokens
+    Raises ActivationScopeError when such a column is wanted, and what the source raises when
+    the sample table cannot be read (StoreCorruptError of a damaged part): a store with no
+    sample rows has an empty sample table (as ``Store.row_table`` gives it), never an error."""
+    if token_columns is None:
+        samples = source.row_table("sample")
+    else:
+        own = set(token_columns)
+        samples = source.row_table("sample", [*_SAMPLE_KEY, *(c for c in wanted if c not in own)])
     extra = [c for c in samples.column_names if c not in tokens.column_names]
     if not extra or "sample_id" not in samples.column_names or "sample_id" not in tokens.column_names:
         return tokens

@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import (ActivationScopeError, ArgumentTypeError, ArgumentValueError, ColumnNotFoundError, ExportError,
-                      ExportExistsError, column_hint)
+                      ExportExistsError)
 from ..store._backend import enclosing_store, local_path, no_room_hint, relation_to_store
 from ..store._lock import _pid_alive
 from .._args import parse_flag
@@ -330,8 +330,7 @@ def _dataset_for(source: Any, hook_points: Any, columns: Any, rows: Any, filter:
         have = ds._row_columns()  # (from the tables' schemas: no column decoded for it)
         missing = [c for c in chosen if c not in have]
         if missing:
-            raise ArgumentValueError(f"columns {missing} are not in the {ds.row_kind} row table of "
-                                     f"{ds.source.describe()}; it has {have}{column_hint(missing, have)}")
+            raise ds._missing_columns_error(missing, have)
         # only the columns it writes are decoded (of a token table of 10**8 rows, not every
         # column), held by this export alone: the source caches no table of them
         table = ds._row_table(chosen)

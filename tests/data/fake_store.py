@@ -13,6 +13,7 @@ import mmap
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -64,7 +65,11 @@ class FakeStore:
         return self._meta[hp]["kind"]
 
     def row_table(self, kind):
-        return pq.read_table(Path(self.path) / f"rows_{kind}.parquet")
+        path = Path(self.path) / f"rows_{kind}.parquet"
+        if not path.exists():  # no rows of that kind: an empty table, as the store's
+            cols = {"sample_id": pa.array([], pa.int64()), "batch": pa.array([], pa.int64())}
+            return pa.table({**cols, "pos": pa.array([], pa.int64())} if kind == "token" else cols)
+        return pq.read_table(path)
 
     def dtype(self, hp):
         return getattr(torch, self._meta[hp]["dtype"])

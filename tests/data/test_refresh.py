@@ -232,6 +232,28 @@ def test_a_column_of_a_store_with_no_committed_row_yet_names_the_status_and_refr
     assert ds[:]["label"].tolist() == [1, 2]
 
 
+def test_an_export_of_a_column_of_a_store_with_no_committed_row_yet_names_the_status_and_refresh(tmp_path):
+    # (export_parquet's columns= said only that the column was not there, the dataset's the reason)
+    from activationscope.data import export_parquet
+
+    path = tmp_path / "live.zarr"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    with ActivationScope(store=str(path)).track(model) as tracker:
+        tracker.set_batch(label=[1, 2])
+        model(torch.randn(2, 2))
+        store = open_store(str(path))
+        assert store.status == "incomplete" and store.n_samples == 0
+        with pytest.raises(ValueError) as e:
+            export_parquet(store, tmp_path / "out.parquet", columns=["label"])
+        msg = str(e.value)
+        assert "columns ['label'] are not in the sample row table" in msg
+        assert "incomplete" in msg and "no committed row" in msg and "store.refresh()" in msg
+        assert not (tmp_path / "out.parquet").exists()
+    store.refresh()
+    export_parquet(store, tmp_path / "out.parquet", columns=["label"])
+    assert ActivationDataset(str(path), columns=["label"])[:]["label"].tolist() == [1, 2]
+
+
 def test_a_store_whose_capture_has_listed_no_hook_point_yet_names_the_status_and_refresh(tmp_path):
     # opened before the capture's first commit: the store has no hook points yet, and saying
     # only that read as if the capture had recorded nothing
