@@ -268,6 +268,13 @@ def test_a_resume_names_the_old_store_a_killed_overwrite_left_aside(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == before
 
 
+def _one_forward(url: Path, model: torch.nn.Module) -> None:
+    """A one-process store of ``model``'s forward of the first batch at ``url``."""
+    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
+    with scope.track(model), torch.no_grad():
+        model(job.batch(0))
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` (relative path: bytes), but the writer lock (never moved aside)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
@@ -290,9 +297,7 @@ def test_a_one_process_overwrite_settles_the_old_store_a_killed_multi_rank_overw
 
     url = tmp_path / "s.zarr"
     model = _model(0)
-    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
-    with scope.track(model), torch.no_grad():
-        model(job.batch(0))
+    _one_forward(url, model)
     before = _files(url)
     aside: list[Path] = []
     _prepare(str(url), WORLD, True, False, None, aside)  # (rank 0's step; killed after it: nothing settles it)
@@ -340,9 +345,7 @@ def test_the_old_store_rank_0_deletes_after_the_commit_is_not_said_to_be_left_by
     url = tmp_path / "s.zarr"
     model = _model(0)
     for at in (url, tmp_path / "old.zarr"):
-        scope = acs.ActivationScope(store=str(at), store_options={"process_group": False})
-        with scope.track(model), torch.no_grad():
-            model(job.batch(0))
+        _one_forward(at, model)
     aside = tmp_path / ".s.zarr.replaced-0123abcd"  # (the old store, as rank 0 moved it aside)
     shutil.copytree(tmp_path / "old.zarr", aside, ignore=shutil.ignore_patterns(B.LOCK_KEY))
     go, started = hold_aside_delete(monkeypatch)
@@ -376,9 +379,7 @@ def test_rank_0_puts_the_old_store_back_under_the_lock_when_its_preparation_fail
 
     url = tmp_path / "s.zarr"
     model = _model(0)
-    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
-    with scope.track(model), torch.no_grad():
-        model(job.batch(0))
+    _one_forward(url, model)
     before = _files(url)
     seen = []
 
@@ -405,9 +406,7 @@ def test_a_put_back_that_fails_partway_says_what_is_where_and_a_rerun_finishes_i
 
     url = tmp_path / "s.zarr"
     model = _model(0)
-    scope = acs.ActivationScope(store=str(url), store_options={"process_group": False})
-    with scope.track(model), torch.no_grad():
-        model(job.batch(0))
+    _one_forward(url, model)
     before = _files(url)
     session = RankSession(None, 0, WORLD, str(url))
     _prepare(str(url), WORLD, True, False, None, session._aside, session._held)
