@@ -302,6 +302,135 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
     assert torch.equal(store["1.output"], want)
 
 
+def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
+    """Hold the encoding of every chunk on an event until a stop of the writer's threads gets
+    through; the first ``n_interrupted`` stops (None: every one until ``interrupted[0]`` is set
+    to a number) are interrupted (a Ctrl-C while the stop waits for the held thread). Returns
+    the stops tried, the writer threads' state at each lock release (whether they were
+    stopped) and ``interrupted``."""
+    import threading
+
+    from activationscope.store import _lock
+
+    gate, stops, released, interrupted = threading.Event(), [], [], [n_interrupted]
+    make_encoder, stop_threads, release = W.F.numcodecs_encoder, W.StoreWriter._stop_threads, _lock.WriterLock.release
+
+    class HeldEncoder:
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def encode(self, data):
+            gate.wait(30)  # (bounded: a test that hangs fails)
+            return self.encoder.encode(data)
+
+        def __getattr__(self, name):  # (decode, as the codec's)
+            return getattr(self.encoder, name)
+
+    def stopping(self):
+        stops.append(self)
+        if interrupted[0] is None or len(stops) <= interrupted[0]:
+            raise KeyboardInterrupt(f"stop {len(stops)}")
+        gate.set()
+        stop_threads(self)
+
+    def releasing(self):
+        if self._held and stops and self is stops[-1]._writer_lock:
+            released.append(stops[-1]._threads_stopped and gate.is_set())
+        release(self)
+
+    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: HeldEncoder(make_encoder(codec)))
+    monkeypatch.setattr(W.StoreWriter, "_stop_threads", stopping)
+    monkeypatch.setattr(_lock.WriterLock, "release", releasing)
+    return stops, released, interrupted
+
+
+@pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
+@pytest.mark.parametrize("n_interrupted", [1, None], ids=["once", "every_time"])
+@pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
+def test_ctrl_c_again_in_the_writer_close_then_close_again_and_the_cell_again(tmp_path, monkeypatch, stop,
+                                                                              n_interrupted, again):
+    # a Ctrl-C in StoreWriter.close while a shard was held in the writer thread, then more in the
+    # stop of that thread (a notebook user pressing Ctrl-C again while the close waits): the
+    # clean-up and the lock release after the stop were skipped, and the writer, marked closed,
+    # did nothing when closed (or aborted) again: the lock stayed held and the cell run again was
+    # refused as locked. The capture's own abort finishes the close; where each of its tries is
+    # interrupted too, closing the writer (or the tracker) again does
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    stops, released, interrupted = _held_writer_thread(monkeypatch, W, n_interrupted)
+    trackers = []
+
+    def cell(path, stop=None, **options):
+        scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0, compression="zstd"))
+        with torch.no_grad(), scope.track(model) as tracker:
+            trackers.append(tracker)
+            for x in xs[tracker.resume_from // 2:]:
+                model(x)
+                if stop is not None:
+                    raise KeyboardInterrupt("in the loop")
+
+    path = tmp_path / "s.zarr"
+    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            cell(path, stop=stop or None)
+    assert at.raised and (released == [True]) == (n_interrupted is not None)
+    n_stops = interrupted[0] = len(stops) - (n_interrupted is not None)  # (from here on, none is)
+    assert n_stops >= 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        close = trackers[-1].writer.close if again == "writer.close" else trackers[-1].remove
+        close()  # (again: what the interrupted close left undone is done, once)
+        close()
+    assert len(stops) == n_stops + 1 and released == [True]  # the thread stopped, then the lock released
+    # (a store left, with or without rows, is resumed; none where the capture removed it, holding no row)
+    cell(path, resume=True) if (path / "zarr.json").exists() else cell(path)
+    store = acs.open_store(path)
+    assert store.status == "complete"
+    assert torch.equal(store["1.output"], want)
+    assert store.row_table("sample")["sample_id"].to_pylist() == list(range(6))
+
+
+@pytest.mark.parametrize("again", ["abort", "close"])
+def test_ctrl_c_twice_in_the_writer_abort_then_again_and_the_cell_again(tmp_path, monkeypatch, again):
+    # a Ctrl-C in StoreWriter.abort while it stopped the writer thread, then another in the
+    # retried stop: abort never raises, and left the lock held, doing nothing
+    # when called again; now an abort or close called again stops the thread, cleans up and
+    # releases the lock, and the cell run again completes the store
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    stops, released, _ = _held_writer_thread(monkeypatch, W, 2)
+
+    def cell(path, abort=False, **options):
+        scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0, compression="zstd"))
+        with torch.no_grad(), scope.track(model) as tracker:
+            for x in xs[tracker.resume_from // 2:]:
+                model(x)
+            if abort:
+                tracker.writer.abort()
+                assert len(stops) == 2 and not released
+                getattr(tracker.writer, again)()
+                assert len(stops) == 3 and released == [True]
+
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cell(path, abort=True)
+    cell(path, resume=True)  # (the store the abort left: incomplete)
+    store = acs.open_store(path)
+    assert store.status == "complete"
+    assert torch.equal(store["1.output"], want)
+
+
 def test_interrupt_at_leaves_out_callbacks_run_by_weakref_finalize():
     # (the garbage collector runs them when it runs: a Ctrl-C delivered there is printed and
     # ignored, and the line count would vary from run to run)

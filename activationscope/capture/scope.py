@@ -1779,6 +1779,8 @@ class Tracker:
         block; ``left_running``: calls in other threads still running (a forward of theirs is
         cut short by the close, not by an error: the CaptureError about them says so)."""
         if self._closed:
+            if self.writer is not None:  # (a close of the store cut short by Ctrl-Cs: its writer finishes it)
+                self.writer.abort(exc)  # (nothing where the writer is closed already)
             return
         self._closed = True
         self._wait_reductions()

@@ -2279,8 +2279,9 @@ def open_capture_writer(target: Any, *, process_group: Any = None, rank_wait_s: 
                 "leave process_group out to capture every rank of a torch.distributed run into this one store"
             ) from None
     fixed = {k: options.pop(k) for k in ("capture_config", "model", "storage_dtype") if k in options}
-    rank_target_, opts = session.writer_options(options)  # (its own errors let go of the wait group)
-    try:
+    prepared = session.writer_options(options)  # (its own errors let go of the wait group)
+    try:  # (from the return on: a Ctrl-C, even at the unpacking, lets go of the lock rank 0 took)
+        rank_target_, opts = prepared
         # a task capturing a complete store again writes its rank store under that store's root
         allowed = rank_stores_allowed(resolve(session.root, storage_options=opts.get("storage_options"))) \
             if session.again else contextlib.nullcontext()

@@ -1276,6 +1276,7 @@ class StoreWriter:
             check_backend_not_in_store(self._backend)
             self.target = target
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
+            self._settling = False  # closed, and not yet let go of the lock (_settle_interrupted)
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
@@ -4640,6 +4641,12 @@ class StoreWriter:
         once it is done), so that a closed store leaves no ``.<name>.replaced-<hex>`` folder. A
         part it could not delete is named in a ``RuntimeWarning`` here, never raised.
 
+        Called again after a close, :meth:`abort` or :meth:`discard` that a Ctrl-C (or several)
+        cut short before it released the lock, it finishes that one: the writer thread stopped
+        (the chunks handed to it written first), the temporary files removed, the lock released;
+        nothing more is committed, the store stays at its last commit (``resume=True`` continues
+        it). Otherwise a closed writer's close does nothing.
+
         Parameters
         ----------
         status : {"complete", "incomplete"}, default "complete"
@@ -4661,9 +4668,12 @@ class StoreWriter:
                 self.discard()
                 return
             if self._closed:
+                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
+                    self._settle_interrupted()
                 return
             clean = False
-            self._closed = True  # (the last line before the try: a Ctrl-C before it leaves the close to abort)
+            # (the last line before the try: a Ctrl-C before it leaves the close to abort)
+            self._closed = self._settling = True
             try:
                 # the rows in the chunk buffers go to shards only while the store at the path is still
                 # this writer's (the chunks queued before are written first): one moved, removed,
@@ -4701,7 +4711,8 @@ class StoreWriter:
         its status (a complete store stays complete) and provenance included.
 
         Never raises (a failure here is reported as a warning, so the first error stays the
-        one the caller sees).
+        one the caller sees). Called again after a close, abort or discard cut short by a
+        Ctrl-C before it released the lock, it finishes that one, as :meth:`close` does.
 
         Parameters
         ----------
@@ -4715,9 +4726,14 @@ class StoreWriter:
                 self.discard()
                 return
             if self._closed:
+                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
+                    try:
+                        self._settle_interrupted()
+                    except BaseException:  # noqa: BLE001 - never raises
+                        pass
                 return
             self._failing = True
-            self._closed = True  # (the last line before the try)
+            self._closed = self._settling = True  # (the last line before the try)
             try:
                 self._core.drain()
                 self._stop_threads()
@@ -4752,9 +4768,14 @@ class StoreWriter:
             return
         with self._lock:
             if self._closed:
+                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
+                    try:
+                        self._settle_interrupted()
+                    except BaseException:  # noqa: BLE001 - never raises
+                        pass
                 return
             empty: list[Path] = []
-            self._closed = True  # (the last line before the try)
+            self._closed = self._settling = True  # (the last line before the try)
             try:
                 self._stop_threads()
                 self._check_still_held()  # (the store there now is not the one found: left as it is)
@@ -4775,6 +4796,22 @@ class StoreWriter:
                 except BaseException:  # noqa: BLE001
                     pass
 
+    def _settle_interrupted(self) -> None:
+        """Finish a :meth:`close`, :meth:`abort` or :meth:`discard` that a Ctrl-C interrupted
+        (once or more: a second one in its own clean-up) after it marked the writer closed and
+        before it released the lock: the threads are stopped (the chunks handed to the writer
+        thread written first), an old store moved aside by ``overwrite=True`` put back, the
+        background delete waited for, the temporary files removed and the lock released, in
+        that order, as the interrupted one would have. Nothing more is committed: the store is
+        left at its last commit, which ``resume=True`` continues."""
+        self._stop_threads_left_running()
+        if self._aside is not None:  # (the new store committed no forward: the old one back)
+            self._settle_aside(keep_new=False)
+        try:
+            self._finish_delete()
+        finally:
+            self._cleanup(remove_if_empty=self._unrecorded_folders())
+
     def remove_if_unused(self) -> bool:
         """Once closed (or aborted): remove the store this writer made, when it holds no
         committed row (a capture whose first forward raised), so that the corrected rerun needs
@@ -4782,11 +4819,20 @@ class StoreWriter:
         before (a local one replaced by ``overwrite=True`` is put back by the close), or one
         holding rows is never touched; a folder that existed before the writer is kept, empty.
 
+        A close (or abort) interrupted by a Ctrl-C before it released the lock is finished
+        first (:meth:`close`), the lock released, whether the store is removed or not.
+
         Returns
         -------
         bool
             Whether the store was removed. Never raises (a failure is warned about).
         """
+        if self._closed and self._settling and not self._other_process():
+            try:
+                self._settle_interrupted()
+            except Exception as e:  # noqa: BLE001 - the caller's error stays the one raised
+                warn_at_caller(f"store {str(self._backend)!r}: finishing its interrupted close failed: {e}",
+                               RuntimeWarning)
         if not self._closed or not getattr(self, "_made_new", False) or self._root_n_samples \
                 or self._other_process() or self._lost is not None:
             return False
@@ -4852,6 +4898,7 @@ class StoreWriter:
         if self._staging_finalizer is not None:
             self._staging_finalizer()
         self._writer_lock.release()
+        self._settling = False
 
     def __enter__(self) -> "StoreWriter":
         """Return the writer: :meth:`close` on a normal exit, :meth:`abort` when the body raised."""
