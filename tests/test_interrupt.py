@@ -254,17 +254,6 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
     gate, trackers = threading.Event(), []
     make_encoder, stop_threads, rmdir = W.F.numcodecs_encoder, W.StoreWriter._stop_threads, os.rmdir
 
-    class HeldEncoder:
-        def __init__(self, encoder):
-            self.encoder = encoder
-
-        def encode(self, data):
-            gate.wait(30)  # (bounded: a test that hangs fails)
-            return self.encoder.encode(data)
-
-        def __getattr__(self, name):  # (decode, as the codec's)
-            return getattr(self.encoder, name)
-
     def stopping(self):
         gate.set()
         stop_threads(self)
@@ -275,7 +264,7 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
             trackers[-1].writer._core.drain()  # the shard is written now, as the folder is removed
         return rmdir(name, *args, **kwargs)
 
-    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: HeldEncoder(make_encoder(codec)))
+    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: _HeldEncoder(make_encoder(codec), gate))
     monkeypatch.setattr(W.StoreWriter, "_stop_threads", stopping)
     monkeypatch.setattr(os, "rmdir", removing)
 
@@ -302,6 +291,20 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
     assert torch.equal(store["1.output"], want)
 
 
+class _HeldEncoder:
+    """A codec whose encoding waits for ``gate`` (30 s at most: a test that hangs fails)."""
+
+    def __init__(self, encoder, gate):
+        self.encoder, self.gate = encoder, gate
+
+    def encode(self, data):
+        self.gate.wait(30)
+        return self.encoder.encode(data)
+
+    def __getattr__(self, name):  # (decode, as the codec's)
+        return getattr(self.encoder, name)
+
+
 def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
     """Hold the encoding of every chunk on an event until a stop of the writer's threads gets
     through; the first ``n_interrupted`` stops (None: every one until ``interrupted[0]`` is set
@@ -315,17 +318,6 @@ def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
     gate, stops, released, interrupted = threading.Event(), [], [], [n_interrupted]
     make_encoder, stop_threads, release = W.F.numcodecs_encoder, W.StoreWriter._stop_threads, _lock.WriterLock.release
 
-    class HeldEncoder:
-        def __init__(self, encoder):
-            self.encoder = encoder
-
-        def encode(self, data):
-            gate.wait(30)  # (bounded: a test that hangs fails)
-            return self.encoder.encode(data)
-
-        def __getattr__(self, name):  # (decode, as the codec's)
-            return getattr(self.encoder, name)
-
     def stopping(self):
         stops.append(self)
         if interrupted[0] is None or len(stops) <= interrupted[0]:
@@ -338,7 +330,7 @@ def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
             released.append(stops[-1]._threads_stopped and gate.is_set())
         release(self)
 
-    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: HeldEncoder(make_encoder(codec)))
+    monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: _HeldEncoder(make_encoder(codec), gate))
     monkeypatch.setattr(W.StoreWriter, "_stop_threads", stopping)
     monkeypatch.setattr(_lock.WriterLock, "release", releasing)
     return stops, released, interrupted
