@@ -924,9 +924,6 @@ def _commit_held(root: str, lock: WriterLock, *, storage_options: dict | None,
     return _commit_ranks(b, root, storage_options, make_reduction, world_size, False)
 
 
-_is_rank_name = F.is_rank_name
-
-
 def _remove_ranks(b: Any) -> None:
     """Remove the rank stores ``ranks/<r, 5 digits>/`` (a link in their place is unlinked,
     never followed), then ``ranks/`` itself when nothing else is left in it: any other file
@@ -936,7 +933,7 @@ def _remove_ranks(b: Any) -> None:
         if not top.is_dir() or top.is_symlink():
             return
         for p in sorted(top.iterdir()):
-            if _is_rank_name(p.name):
+            if F.is_rank_name(p.name):
                 if p.is_symlink() or not p.is_dir():
                     p.unlink(missing_ok=True)
                 else:
@@ -948,7 +945,7 @@ def _remove_ranks(b: Any) -> None:
         return
     for key in list(b.list(f"{RANKS_DIR}/")):
         parts = key.split("/")
-        if len(parts) >= 3 and _is_rank_name(parts[1]):
+        if len(parts) >= 3 and F.is_rank_name(parts[1]):
             b.delete(key)
 
 
