@@ -4726,11 +4726,7 @@ class StoreWriter:
                 self.discard()
                 return
             if self._closed:
-                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
-                    try:
-                        self._settle_interrupted()
-                    except BaseException:  # noqa: BLE001 - never raises
-                        pass
+                self._settle_interrupted_quietly()
                 return
             self._failing = True
             self._closed = self._settling = True  # (the last line before the try)
@@ -4768,11 +4764,7 @@ class StoreWriter:
             return
         with self._lock:
             if self._closed:
-                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
-                    try:
-                        self._settle_interrupted()
-                    except BaseException:  # noqa: BLE001 - never raises
-                        pass
+                self._settle_interrupted_quietly()
                 return
             empty: list[Path] = []
             self._closed = self._settling = True  # (the last line before the try)
@@ -4795,6 +4787,15 @@ class StoreWriter:
                         self._cleanup(remove_if_empty=empty)
                 except BaseException:  # noqa: BLE001
                     pass
+
+    def _settle_interrupted_quietly(self) -> None:
+        """:meth:`_settle_interrupted` where one is due (``_settling``), for :meth:`abort` and
+        :meth:`discard`, which never raise."""
+        if self._settling:  # a close, abort or discard interrupted before it let go of the lock
+            try:
+                self._settle_interrupted()
+            except BaseException:  # noqa: BLE001 - never raises
+                pass
 
     def _settle_interrupted(self) -> None:
         """Finish a :meth:`close`, :meth:`abort` or :meth:`discard` that a Ctrl-C interrupted
