@@ -95,11 +95,18 @@ def test_ctrl_c_in_a_store_capture_then_the_cell_again(tmp_path):
 
 
 
-def _store_cell(model, xs, path, **options):
+def _store_cell(model, xs, path, stop=None, trackers=None, **options):
+    """A notebook cell capturing ``xs`` (from where a resumed store stopped) into ``path``;
+    ``stop``: a Ctrl-C after the first forward (so that the writer aborts); ``trackers``: a
+    list the tracker is appended to."""
     scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0))
     with torch.no_grad(), scope.track(model) as tracker:
+        if trackers is not None:
+            trackers.append(tracker)
         for x in xs[tracker.resume_from // 2:]:
             model(x)
+            if stop is not None:
+                raise KeyboardInterrupt("in the loop")
 
 
 def _interrupt_once(monkeypatch, owner, name, when):
@@ -205,12 +212,7 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_the_cell_again(tmp_path, s
         want = torch.cat([model(x) for x in xs])
 
     def cell(path, stop=None, **options):
-        scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0))
-        with torch.no_grad(), scope.track(model) as tracker:
-            for x in xs[tracker.resume_from // 2:]:
-                model(x)
-                if stop is not None:
-                    raise KeyboardInterrupt("in the loop")  # (so that the writer aborts)
+        _store_cell(model, xs, path, stop, **options)
 
     counted = _InterruptInFunction(W.__file__, ("close",), None)
     with warnings.catch_warnings(), counted, pytest.raises(KeyboardInterrupt):
@@ -269,20 +271,10 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
     monkeypatch.setattr(os, "rmdir", removing)
 
     def cell(path, stop=None):
-        scope = acs.ActivationScope(store=path, store_options=dict(commit_interval=0, compression="zstd"))
-        with torch.no_grad(), scope.track(model) as tracker:
-            trackers.append(tracker)
-            for x in xs:
-                model(x)
-                if stop is not None:
-                    raise KeyboardInterrupt("in the loop")
+        _store_cell(model, xs, path, stop, trackers, compression="zstd")
 
     path = tmp_path / "s.zarr"
-    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
-    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
-        warnings.simplefilter("ignore")
-        with at:
-            cell(path, stop=stop or None)
+    at = _cell_interrupted_in_close(W, cell, path, stop)
     assert at.raised
     assert not path.exists() or not any(path.iterdir())
     cell(path)
@@ -303,6 +295,17 @@ class _HeldEncoder:
 
     def __getattr__(self, name):  # (decode, as the codec's)
         return getattr(self.encoder, name)
+
+
+def _cell_interrupted_in_close(W, cell, path, stop):
+    """Run ``cell(path)`` (``stop``: with a Ctrl-C in its loop first) with a Ctrl-C in
+    StoreWriter.close once its first array is flushed; returns the interrupter."""
+    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            cell(path, stop=stop or None)
+    return at
 
 
 def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
@@ -357,20 +360,10 @@ def test_ctrl_c_again_in_the_writer_close_then_close_again_and_the_cell_again(tm
     trackers = []
 
     def cell(path, stop=None, **options):
-        scope = acs.ActivationScope(store=path, store_options=dict(options, commit_interval=0, compression="zstd"))
-        with torch.no_grad(), scope.track(model) as tracker:
-            trackers.append(tracker)
-            for x in xs[tracker.resume_from // 2:]:
-                model(x)
-                if stop is not None:
-                    raise KeyboardInterrupt("in the loop")
+        _store_cell(model, xs, path, stop, trackers, compression="zstd", **options)
 
     path = tmp_path / "s.zarr"
-    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
-    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
-        warnings.simplefilter("ignore")
-        with at:
-            cell(path, stop=stop or None)
+    at = _cell_interrupted_in_close(W, cell, path, stop)
     assert at.raised and (released == [True]) == (n_interrupted is not None)
     n_stops = interrupted[0] = len(stops) - (n_interrupted is not None)  # (from here on, none is)
     assert n_stops >= 1
