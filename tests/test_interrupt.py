@@ -416,6 +416,52 @@ def test_ctrl_c_twice_in_the_writer_abort_then_again_and_the_cell_again(tmp_path
     assert torch.equal(store["1.output"], want)
 
 
+
+@pytest.mark.parametrize("again", ["writer.close", "writer.abort", "tracker.remove"])
+def test_ctrl_c_again_in_a_rank_store_close_then_close_again_and_the_cell_again(tmp_path, monkeypatch, again):
+    # the same Ctrl-Cs in the close of a rank store (process_group=RankStore(r, n): a
+    # RankWriter over the rank store's StoreWriter): the RankWriter, marked done, did nothing
+    # when closed, aborted or removed again, so the rank store's lock stayed held and the cell
+    # run again was refused as locked; now its rank store's writer finishes that close
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    stops, released, interrupted = _held_writer_thread(monkeypatch, W, None)
+    trackers = []
+
+    def cell(path, **options):
+        options.update(process_group=acs.RankStore(0, 2), commit_interval=0, compression="zstd")
+        scope = acs.ActivationScope(store=path, store_options=options)
+        with torch.no_grad(), scope.track(model) as tracker:
+            trackers.append(tracker)
+            for x in xs[tracker.resume_from // 2:]:
+                model(x)
+
+    path = tmp_path / "r.zarr"
+    at = _InterruptAtLine(W.__file__, "close", "for a in self._arrays.values()", 2)  # (the first array flushed)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            cell(path)
+    rank_store = trackers[-1].writer.path
+    assert at.raised and not released and writer_holding(B.resolve(rank_store)) is not None
+    n_stops = interrupted[0] = len(stops)  # (from here on, none is)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        writer = trackers[-1].writer
+        close = {"writer.close": writer.close, "writer.abort": writer.abort, "tracker.remove": trackers[-1].remove}[again]
+        close()  # (again: what the interrupted close left undone is done, once)
+        close()
+    assert len(stops) == n_stops + 1 and released == [True]  # the thread stopped, then the lock released
+    assert writer_holding(B.resolve(rank_store)) is None
+    cell(path, resume=True)
+    assert torch.equal(acs.open_store(rank_store)["1.output"], want)
+
 def test_interrupt_at_leaves_out_callbacks_run_by_weakref_finalize():
     # (the garbage collector runs them when it runs: a Ctrl-C delivered there is printed and
     # ignored, and the line count would vary from run to run)

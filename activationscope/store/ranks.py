@@ -2182,10 +2182,19 @@ class RankWriter:
             rank stores stay for resume / ``consolidate``).
         """
         if self._done:
+            self._settle_inner()
             return
         self._done = True
         exc = None if status == "complete" else self._stopped_by or StoreError("the capture on this rank stopped early")
         self._session.finish(self._inner, self._live, exc)
+
+    def _settle_inner(self) -> None:
+        """Called again after this rank's close, abort or discard: where a Ctrl-C (or several)
+        cut short the rank store's close before it released its lock, the rank store's writer
+        finishes that close (:meth:`StoreWriter.abort`: threads stopped, files cleaned, lock
+        released; nothing more committed). Otherwise nothing. Never raises."""
+        if getattr(self._inner, "_settling", False):
+            self._inner.abort()
 
     def stopped_by(self, exc: BaseException) -> None:
         """The exception that stopped this rank's capture (the tracker gives it before
@@ -2199,6 +2208,7 @@ class RankWriter:
         forward); the other ranks learn that this rank failed, with ``exc``, and nothing is
         committed. Never raises."""
         if self._done:
+            self._settle_inner()
             return
         self._done = True
         try:
@@ -2209,6 +2219,7 @@ class RankWriter:
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception: the rank store keeps its commits; the others learn of it. Never raises."""
         if self._done:
+            self._settle_inner()
             return
         self._done = True
         try:
