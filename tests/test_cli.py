@@ -1680,6 +1680,23 @@ def test_export_unknown_hook_point_and_bad_folder(tmp_path, toy_store, capsys):
     _one_error_line(err, "does not exist")
 
 
+@pytest.mark.parametrize("command", ["export", "report"])
+def test_hook_points_given_as_module_or_misspelt_name_the_hook_point_meant(tmp_path, toy_store, capsys, command):
+    """--hook-points reads names as ActivationDataset and export_parquet do: a module path
+    ('1', as a user copies it from --include) or a typo is answered with the hook points meant."""
+    out, _ = toy_store
+    target = ["--format", "parquet", "--out", str(tmp_path / "a.parquet")] if command == "export" else \
+        ["--out", str(tmp_path / "report")]
+    code, _, err = run(capsys, command, str(out), *target, "--hook-points", "1")
+    assert code == 1
+    _one_error_line(err, "hook point '1' is not in the store", "did you mean ['1.output']?",
+                    "a module path plus '.output'")
+    code, _, err = run(capsys, command, str(out), *target, "--hook-points", "1.outptu")
+    assert code == 1
+    _one_error_line(err, "hook point '1.outptu' is not in the store", "did you mean ['1.output'")
+    assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "report").exists()
+
+
 @pytest.fixture
 def mixed_store(tmp_path):
     """Token rows (an embedding under an attention mask) and sample rows (a pooled head)."""

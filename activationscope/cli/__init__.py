@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..analysis.capture_run import COMPRESSIONS, STORAGE_DTYPES
-from ..errors import (ActivationScopeError, ArgumentValueError, HookPointNotFoundError, name_repr, names_repr, one_line,
-                      warn_at_caller)
+from ..errors import (ActivationScopeError, ArgumentValueError, HookPointNotFoundError, hook_point_hint, name_repr,
+                      names_repr, one_line, warn_at_caller)
 from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "CLIError"]
@@ -950,7 +950,9 @@ def _check_hook_points(store: Any, hook_points: list[str] | None) -> list[str] |
             shown = bracket or f"; it holds {names_repr(known, 8)}"
             if any(c in hp for c in "*?["):
                 raise HookPointNotFoundError(f"pattern {name_repr(hp)} matches no hook point of the store{shown}")
-            raise HookPointNotFoundError(f"hook point {name_repr(hp)} is not in the store{shown}")
+            # (a module path or a typo: the hook points meant, as store[...] and the exports name them)
+            hint = "" if bracket else hook_point_hint(hp, known)
+            raise HookPointNotFoundError(f"hook point {name_repr(hp)} is not in the store{shown}{hint}")
         if bracket:
             warn_at_caller(f"--hook-points pattern {name_repr(hp)} selects {names_repr(hits, 8)}{bracket}")
         chosen.update(hits)
