@@ -170,3 +170,46 @@ def test_rows_token_warns_about_padding_given_to_the_model_only(how, tmp_path):
     mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
     assert len(mine) == 1 and "given attention_mask= with padding (6 of 24 positions are 0)" in mine[0], mine
     assert acs.open_store(tmp_path / "run.zarr").n_rows("proj.output") == 48
+
+
+@pytest.mark.parametrize("where", ["store", "reductions"])
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_default_rows_warn_about_padding_given_to_the_model_only(how, where, tmp_path):
+    """rows="auto" (the default) with no set_batch mask: a model given a padded mask keeps its
+    padding inside the one row per sample of each (batch, pos, d) hook point, and in its
+    reductions; batches of one length (padding="max_length") never fail on the shape, so it warns."""
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    scope = (acs.ActivationScope(store=tmp_path / "run.zarr") if where == "store"
+             else acs.ActivationScope(reductions=["mean"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["proj"]):
+            for _ in range(2):
+                model(ids, attention_mask=_mask(6)) if how == "keyword" else model(ids, _mask(6))
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(mine) == 1, mine
+    assert "forward 0 of the tracked model was given attention_mask= with padding (6 of 24 positions are 0)" in mine[0]
+    assert "'proj.output'" in mine[0] and "one row per sample with the padded positions inside" in mine[0]
+    assert "tracker.set_batch(attention_mask=mask)" in mine[0] and "token_rows=False" in mine[0]
+    if where == "store":
+        assert acs.open_store(tmp_path / "run.zarr")["proj.output"].shape == (8, 6, 8)
+
+
+@pytest.mark.parametrize("case", ["set_batch", "no_padding", "token_rows_false", "in_memory"])
+def test_default_rows_say_nothing_of_a_mask_described_unpadded_or_chosen(case, tmp_path):
+    """No warning where the padding is left out (set_batch has the mask), there is none, sample
+    rows were asked for (token_rows=False), or no row is taken (in memory, no reductions)."""
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.long) if case == "no_padding" else _mask(6)
+    kw = {"token_rows": False} if case == "token_rows_false" else {}
+    scope = acs.ActivationScope(**kw) if case == "in_memory" else acs.ActivationScope(store=tmp_path / "r.zarr", **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["proj"]) as tracker:
+            for _ in range(2):
+                if case == "set_batch":
+                    tracker.set_batch(attention_mask=mask)
+                model(ids, attention_mask=mask)
+    assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []

@@ -355,7 +355,9 @@ class ActivationScope:
     rows : {"auto", "token"}, default "auto"
         What a stored row is. ``"auto"``: one row per real token for hook points whose
         activation starts with the ``(batch, pos)`` of an attention mask given to
-        :meth:`Tracker.set_batch`, else one row per sample. ``"token"``: one row per token
+        :meth:`Tracker.set_batch`, else one row per sample (a model given an ``attention_mask``
+        with padding that ``set_batch`` does not describe keeps it inside such sample rows: a
+        store or reduction capture warns once, ``CaptureWarning``). ``"token"``: one row per token
         also without a mask: ``(batch, pos)`` are the first two dimensions of the model's
         first tensor input (token ids ``(batch, pos)``, or embeddings ``(batch, pos, d)``),
         and every hook point whose activation starts with them stores
@@ -1056,12 +1058,14 @@ class Tracker:
         self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
-        # rows="token": the attention_mask the model itself was given in the current forward
-        # (noted by the root's Python frame, _python_frame), warned about once when it has
-        # padding that set_batch did not describe (those positions are stored as token rows)
+        # the attention_mask the model itself was given in the current forward (noted by the
+        # root's Python frame, _python_frame), warned about once when it has padding that
+        # set_batch did not describe: with rows="token" those positions are stored as token
+        # rows, with rows="auto" inside the sample rows of the hook points starting with it
         self._model_mask: torch.Tensor | None = None
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
+        self._notes_padding = False
         self._first_arg_type: str | None = None
         # rows="token": the shape (and parameter name) of the model's first tensor input in the
         # current forward when it is an image (batch, channels, height, width), a video or audio
@@ -1574,7 +1578,11 @@ class Tracker:
         else:
             forward = module.forward
             original = forward
-            note_mask = module is self.model and self.scope.rows == "token"
+            # rows="auto" too, for a store or reductions: a model taking an attention_mask that
+            # set_batch does not describe keeps its padding inside sample rows (warned about)
+            note_mask = module is self.model and (self.scope.rows == "token" or (
+                (self.scope.store is not None or self.scope.reductions is not None)
+                and _takes_parameter(forward, "attention_mask")))
             if module is self.model:
                 self._seq2seq = _seq2seq_parameters(forward)
                 self._target_param = None if self._seq2seq else _target_parameter(forward)
@@ -1587,6 +1595,7 @@ class Tracker:
                 # With rows="token" that frame also notes the attention_mask the model is given,
                 # and for an encoder-decoder model the masks of its two sequences
                 self._mask_arg_index = _mask_arg_index(forward) if note_mask else None
+                self._notes_padding = note_mask
                 original = _python_frame(forward, note)
             wrapper = _C.ForwardWrapper(original)
             wrapper.__wrapped__ = forward  # inspect.signature() sees the real forward; traced_call calls it
@@ -3328,6 +3337,8 @@ class Tracker:
         if self.scope.rows == "token" and batch.get("attention_mask") is None:
             self._warn_model_mask_padding()
             self._warn_image_token_rows()
+        elif batch.get("attention_mask") is None and self._model_mask is not None:
+            self._warn_padding_in_sample_rows()
         if self._media_params and not self._warned_media_tower:
             self._warn_media_tower_token_rows(batch)
         if self._position_bias_found:
@@ -3739,6 +3750,11 @@ class Tracker:
             self._image_input = (tuple(t.shape), named[0] if named else None) if media else None
             features = (t is not None and not media and t.dim() == 2 and (t.is_floating_point() or t.is_complex()))
             self._feature_input = (tuple(t.shape), named[0] if named else None) if features else None
+        self._note_padding_mask(args, kwargs)
+
+    def _note_padding_mask(self, args: tuple, kwargs: dict) -> None:
+        """(in the root's Python frame) the 2-D ``attention_mask`` tensor the tracked model is
+        called with in this forward, or None; not looked for once its padding was warned about."""
         if self._warned_model_mask:
             return
         mask = kwargs.get("attention_mask")
@@ -3752,6 +3768,8 @@ class Tracker:
         its two sequences, checked against the hook points stored as token rows."""
         if self.scope.rows == "token":
             self._note_model_mask(args, kwargs)
+        elif self._mask_arg_index is not None or self._notes_padding:
+            self._note_padding_mask(args, kwargs)
         if self._seq2seq:
             self._note_sequences(args, kwargs)
         if self._target_param is not None and not self._warned_target:
@@ -3994,6 +4012,41 @@ class Tracker:
             f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
             "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
             "padding out (warned once per capture)",
+            CaptureWarning,
+        )
+
+    def _warn_padding_in_sample_rows(self) -> None:
+        """Warn (once per capture) when ``rows="auto"`` stored or reduced a forward whose model
+        was given an ``attention_mask`` with padding that ``set_batch`` did not describe: the hook
+        points starting with its ``(batch, pos)`` keep one row per sample, ``(pos, ...)`` with the
+        padded positions inside, and their reductions count those positions."""
+        mask = self._model_mask
+        if mask is None or self._warned_model_mask or mask.is_floating_point() or mask.is_complex():
+            return  # (an additive float mask is 0 at the real tokens: not counted)
+        shape = tuple(mask.shape)
+        stored = self.writer is not None
+        padded = [n for n in self._sinks
+                  if (stored or self._reduction_names.get(n))
+                  and isinstance(self._first_shapes.get(n), tuple) and len(self._first_shapes[n]) >= 2
+                  and tuple(self._first_shapes[n][:2]) == shape
+                  and _token_rows_for(n, self._token_rows, self._hook_names) is not False]
+        if not padded:
+            return
+        n_pad = int((mask == 0).sum())
+        if n_pad == 0:
+            return
+        self._warned_model_mask = True
+        k = self._core.n_forwards - 1
+        shown = ", ".join(repr(n) for n in padded[:4]) + (", ..." if len(padded) > 4 else "")
+        where = "stored and reduced" if stored and any(self._reduction_names.get(n) for n in padded) else (
+            "stored" if stored else "reduced")
+        warn_at_caller(
+            f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
+            f"positions are 0), but tracker.set_batch was given no attention_mask: {shown}, starting with its "
+            f"(batch, pos) = {shape}, are {where} one row per sample with the padded positions inside. Give the "
+            "mask to tracker.set_batch(attention_mask=mask) before each forward to store one row per real token, "
+            "padding left out; or token_rows=False to keep each sample's padded sequence as one row (warned once "
+            "per capture)",
             CaptureWarning,
         )
 
@@ -4604,6 +4657,14 @@ def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
     if not any(p.name in ("decoder_input_ids", "decoder_inputs_embeds") for p in params):
         return None
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _takes_parameter(forward: Any, name: str) -> bool:
+    """Whether ``forward``'s signature names a parameter ``name`` (False when it cannot be read)."""
+    try:
+        return name in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _mask_arg_index(forward: Any) -> int | None:
