@@ -1058,6 +1058,10 @@ class Tracker:
         self._head_first_found: dict[str, tuple[int, ...]] = {}
         self._sample_rows_chosen = False
         self._warned_mask = False
+        # hook points first captured (rows="auto") in a forward whose set_batch gave no attention
+        # mask, starting with the (batch, pos) of the one the model was given: their rows are
+        # samples for good (named by _note_unmasked_first), and the forward's index
+        self._first_unmasked: dict[str, int] = {}
         # the attention_mask the model itself was given in the current forward (noted by the
         # root's Python frame, _python_frame), warned about once when it has padding that
         # set_batch did not describe: with rows="token" those positions are stored as token
@@ -2091,6 +2095,8 @@ class Tracker:
                 self._note_shared_rows(exc)
             if exc is not None:
                 self._note_broadcast_token_rows(exc)
+            if exc is not None and self._first_unmasked:
+                self._note_unmasked_first(exc)
             left = self._detach()
             self._finish(status="complete" if exc is None else "incomplete", exc=exc, left_running=left)
         except BaseException as e:
@@ -2296,6 +2302,11 @@ class Tracker:
         if mask is None and scope.rows == "token":
             mask = self._core.auto_token_mask  # (batch, pos) of the model's first input, all true
             mask = mask if mask.dim() == 2 else None
+        elif (mask is None and self._model_mask is not None and not tensor.is_nested and tensor.dim() >= 2
+              and tuple(tensor.shape[:2]) == tuple(self._model_mask.shape)):
+            # (first reached with no set_batch mask, starting with the mask the model was given:
+            # one row per sample for good; named if a later set_batch mask breaks it)
+            self._first_unmasked[name] = self._core.n_forwards - 1
         token = _C.is_token_rows(tensor, mask)  # the rule of the native sink (sink.h)
         decided = _token_rows_for(name, self._token_rows, self._hook_names)
         if decided is True and not token and isinstance(self._token_rows, Mapping):
@@ -3669,6 +3680,23 @@ class Tracker:
             "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
             f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
             f"{re.sub(r'[.][0-9]+[.]', '.*.', name, count=1)!r}); its module's other outputs are still captured")
+
+    def _note_unmasked_first(self, exc: BaseException) -> None:
+        """Name the cause of a store array's changed feature shape under a set_batch mask where
+        its hook point was first captured in a forward whose set_batch gave no mask (the mask
+        given after that forward, or from the second batch on): it was made an array of one row
+        per sample then, and a later mask cannot make it token rows; leaving it out is no fix."""
+        found = re.match(r"hook point '(.+?)' changed its feature shape from .*The attention mask given to set_batch",
+                         str(exc), re.S)
+        name = found.group(1) if found else None
+        if name not in self._first_unmasked or not hasattr(exc, "add_note"):
+            return
+        exc.add_note(
+            f"{name!r} was first captured in forward {self._first_unmasked[name]} of the tracked model, when "
+            "tracker.set_batch had given no attention_mask: it was stored one row per sample, padding inside, from "
+            "there on. set_batch describes the forwards after it: call tracker.set_batch(attention_mask=mask) "
+            "before each forward, the first included, with that batch's mask, and capture again "
+            "(store_options={'overwrite': True})")
 
     def _note_broadcast_token_rows(self, exc: BaseException) -> None:
         """Name the cause of a token-row hook point refused for its mask where it is a tensor
