@@ -463,6 +463,39 @@ def test_reductions_of_an_incomplete_store_say_they_come_at_close(tmp_path):
         torch.testing.assert_close(opened.reductions["0.output"]["mean"], model(x).double().mean(0))
 
 
+def test_reductions_of_a_killed_capture_say_to_resume_it(tmp_path):
+    """A capture killed before its close (SIGKILL, os._exit) wrote no reductions and never
+    will: the message names that and the resume that computes them, not a refresh() that would
+    wait for a close no process is going to make."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import activationscope as acs
+
+    path = tmp_path / "killed.zarr"
+    script = textwrap.dedent(f"""
+        import os, torch
+        import activationscope as acs
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        tracker = acs.ActivationScope(store={str(path)!r}, reductions=["mean"]).track(model)
+        tracker.__enter__()
+        with torch.no_grad():
+            model(torch.randn(3, 2))
+        tracker.writer.commit()
+        os._exit(0)                                     # killed: no close
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    opened = acs.open_store(path)
+    assert opened.status == "incomplete"
+    with pytest.raises(KeyError) as e:
+        opened.reductions["0.output"]
+    message = str(e.value)
+    assert "no capture is writing it: its capture stopped before it closed" in message
+    assert "resume=True with the reductions= it was captured with" in message
+    assert "store.refresh() sees them" not in message
+
+
 def test_a_resume_whose_close_fails_on_a_full_disk_is_resumed_again(tmp_path, monkeypatch):
     """A close writes the reductions (results and states) before the manifests and the root:
     a full disk after them (a manifest too large to write) left state

@@ -61,6 +61,7 @@ from .._safeio import batch_order, read_parquet_part, row_part_problem
 from . import _decode
 from . import _format as F
 from . import _validate as V
+from ._lock import writer_holding
 from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_remote_store_path, folds_names,
                        open_regular, refuse_foreign_entries, resolve,
                        store_above, write_root_first)
@@ -405,6 +406,13 @@ class _Reductions(Mapping):
             if not partial and self._store.status != "complete":
                 why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
                        "its reductions when it closes; store.refresh() sees them once it has)")
+                if self._store.status == "incomplete" and writer_holding(self._store._backend) is None:
+                    # (no capture writes it now: killed before its close, its reductions never written)
+                    why = (" (the store is 'incomplete' and no capture is writing it: its capture stopped before "
+                           "it closed, killed or crashed, and a capture writes its reductions when it closes, so "
+                           "they were never written; resume it, resume=True with the reductions= it was captured "
+                           "with (command line: capture --resume --reduce ...), to compute them over every stored "
+                           "row)")
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in this store{why}; "
                 f"hook points with reductions: {names_repr(self)}"
