@@ -159,6 +159,17 @@ def _one_error_line(err: str, *needles: str) -> None:
         assert n in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("command", ["info", "verify", "export"])
+def test_a_misspelt_store_names_the_store_meant(capsys, tmp_path, command):
+    from acs_testing import store_three_batches
+
+    store_three_batches(str(tmp_path / "run.zarr"))
+    extra = ["--format", "parquet", "--out", str(tmp_path / "x.parquet")] if command == "export" else []
+    code, _, err = run(capsys, command, str(tmp_path / "run.zar"), *extra)
+    assert code == 1
+    _one_error_line(err, f"store '{tmp_path / 'run.zar'}' does not exist; did you mean '{tmp_path / 'run.zarr'}'?")
+
+
 @pytest.mark.parametrize("command", ["info", "verify", "report"])
 def test_missing_store_is_one_line(capsys, tmp_path, command):
     extra = ["--out", str(tmp_path / "r")] if command == "report" else []

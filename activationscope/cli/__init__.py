@@ -674,7 +674,9 @@ def _open(path: str, verify: bool = False) -> Any:
     every chunk read is checked against its crc32c, ``open_store(verify=True)``)."""
     if "://" not in path and not path.startswith("file:") and not os.path.exists(path):
         # (a 'file:/x' URL: open_store says how it would be misread)
-        raise CLIError(f"store {path!r} does not exist")
+        from ..store.reader import missing_store_hint
+
+        raise CLIError(f"store {path!r} does not exist{missing_store_hint(path)}")
     from ..store import open_store
 
     return open_store(path, verify=verify)

@@ -66,6 +66,28 @@ from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_re
                        open_regular, refuse_foreign_entries, resolve,
                        store_above, write_root_first)
 
+def missing_store_hint(path: Any) -> str:
+    """``"; did you mean '<store>'?"`` for a local store path where nothing is: the stores
+    (folders holding a ``zarr.json``) beside it whose names are closest to its name (a typo,
+    ``run.zar`` for ``run.zarr``); ``"; its folder '<parent>' does not exist either"`` when its
+    folder is missing too; else ``""``. Looks at the first 1000 entries of the folder only."""
+    import difflib
+    from pathlib import Path
+
+    path = Path(os.fspath(path))
+    parent = path.parent
+    if not parent.is_dir():
+        return f"; its folder {str(parent)!r} does not exist either"
+    try:
+        with os.scandir(parent) as entries:
+            names = [e.name for e in itertools.islice(entries, 1000) if e.is_dir()]
+    except OSError:
+        return ""
+    close = [n for n in difflib.get_close_matches(path.name, names, n=3, cutoff=0.85)
+             if os.path.isfile(os.path.join(parent, n, "zarr.json"))]
+    return f"; did you mean {', '.join(repr(str(parent / n)) for n in close)}?" if close else ""
+
+
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)
 _MISSING = 2**64 - 1
 REFUSED_REDUCTION_FIX = V.REFUSED_REDUCTION_FIX
@@ -690,7 +712,7 @@ class Store:
                 if root.exists() and not root.is_dir():
                     raise StoreError(f"no store at {str(self._backend)!r}: it is a file, and a store is a folder")
                 if not root.exists():
-                    raise StoreError(f"no store at {str(self._backend)!r}: nothing is there")
+                    raise StoreError(f"no store at {str(self._backend)!r}: nothing is there{missing_store_hint(root)}")
                 moved = self._backend.moved_aside_hint()
                 if moved:
                     raise StoreError(f"no store at {str(self._backend)!r}: it holds no root document (zarr.json); "
@@ -4380,8 +4402,10 @@ def open_store(target: Any, *, cache_bytes: int = 64 << 20, storage_options: dic
     Raises
     ------
     StoreError
-        Nothing at ``target``, not an activationscope store, or a newer format version; a
-        folder inside a store (`acts`, an array's folder, ...) names the store to open instead.
+        Nothing at ``target`` (a local path names the stores beside it of a close name, a
+        typo's ``run.zar`` the store ``run.zarr``), not an activationscope store, or a newer
+        format version; a folder inside a store (`acts`, an array's folder, ...) names the
+        store to open instead.
     StoreCorruptError
         The root metadata breaks a rule of FORMAT.md §9 (the message names the field).
 

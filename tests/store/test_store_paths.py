@@ -460,3 +460,18 @@ def test_storage_options_that_are_not_a_mapping_are_refused(tmp_path, target):
         import fsspec
 
         fsspec.filesystem("memory").rm("/acs-storage-options", recursive=True)
+
+
+def test_a_misspelt_store_path_names_the_stores_beside_it(tmp_path):
+    """A typo in a store's path (run.zar for run.zarr) names the store meant; a path whose
+    folder is missing says so; nothing close, nothing added."""
+    from acs_testing import store_three_batches
+
+    store_three_batches(str(tmp_path / "run.zarr"))
+    (tmp_path / "run.zarx").mkdir()  # (a folder that is no store is never suggested)
+    with pytest.raises(StoreError, match=r"no store at .*run\.zar': nothing is there; did you mean '.*run\.zarr'\?$"):
+        acs.open_store(tmp_path / "run.zar")
+    with pytest.raises(StoreError, match=r"nothing is there; its folder '.*nodir' does not exist either$"):
+        acs.open_store(tmp_path / "nodir" / "run.zarr")
+    with pytest.raises(StoreError, match=r"nothing is there$"):
+        acs.open_store(tmp_path / "other.zarr")
