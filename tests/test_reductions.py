@@ -3117,3 +3117,27 @@ def test_the_nonfinite_custom_reduction_warning_as_an_error_comes_after_the_stor
     st = acs.open_store(tmp_path / "s.zarr")
     assert st.status == "complete" and torch.equal(st["0.output"], torch.cat(xs))
     assert st.reductions["0.output"]["log_sum"].isinf().tolist() == [False, True, False]
+
+
+def test_a_reduction_of_several_results_read_by_its_name_lists_its_keys(tmp_path):
+    """topk and hist keep no value under their own name: reading it (r["top"], as r["mean"]
+    reads) names the keys to read, and a misspelt name the one meant, live and stored."""
+    import activationscope as acs
+    from activationscope.errors import ReductionNotFoundError
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).eval()
+    specs = ["mean", ("top", "topk", {"k": 2}), ("h", "hist", {"lo": -1, "hi": 1, "bins": 4})]
+    with acs.ActivationScope(reductions=specs, store=str(tmp_path / "s.zarr")).track(model) as tr:
+        with torch.no_grad():
+            model(torch.randn(5, 3))
+        live = tr.reductions["0.output"]
+    stored = acs.open_store(tmp_path / "s.zarr").reductions["0.output"]
+    for got in (live, stored):
+        with pytest.raises(ReductionNotFoundError, match=r"has no reduction 'top'; 'top' holds several results, read "
+                                                         r"each by its key: \['top.row_ids', 'top.values'\]"):
+            got["top"]
+        with pytest.raises(ReductionNotFoundError, match=r"'h' holds several results, read each by its key: "
+                                                         r"\['h.counts', 'h.edges', 'h.nan', 'h.overflow', 'h.underflow'\]"):
+            got["h"]
+        with pytest.raises(ReductionNotFoundError, match=r"has no reduction 'maen'; did you mean \['mean'"):
+            got["maen"]

@@ -83,4 +83,15 @@ class ReductionResults(_Results):
         if count is not None and count.numel() == 1 and int(count) == 0:
             return (f"reduction {name!r} of hook point {self.hook_point!r} saw no rows ({name}.count is 0), "
                     "so it has no value; capture rows of it first")
-        return f"hook point {self.hook_point!r} has no reduction {name!r}; its reductions: {sorted(self)}"
+        keys = sorted(k for k in self if isinstance(k, str) and isinstance(name, str) and k.startswith(name + ".")
+                      and k != f"{name}.count")
+        hint = ""
+        if keys:  # (a reduction of several results, topk or hist: no value under its own name)
+            hint = (f"; {name!r} holds several results, read each by its key: {keys} (a reduction's results are "
+                    "'<name>' and '<name>.<key>')")
+        elif isinstance(name, str):
+            import difflib
+
+            close = difflib.get_close_matches(name, [k for k in self if isinstance(k, str)], n=3, cutoff=0.7)
+            hint = f"; did you mean {close}?" if close else ""
+        return f"hook point {self.hook_point!r} has no reduction {name!r}{hint}; its reductions: {sorted(self)}"
