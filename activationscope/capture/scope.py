@@ -4051,6 +4051,8 @@ class Tracker:
         mask = self._model_mask
         if mask is None or self._warned_model_mask or mask.is_floating_point() or mask.is_complex():
             return  # (an additive float mask is 0 at the real tokens: not counted)
+        if mask.device.type == "cpu" and bool(mask.all()):
+            return  # (no padding: checked before the hook points, at every forward until warned)
         shape = tuple(mask.shape)
         stored = self.writer is not None
         padded = [n for n in self._sinks
