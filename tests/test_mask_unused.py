@@ -213,3 +213,76 @@ def test_default_rows_say_nothing_of_a_mask_described_unpadded_or_chosen(case, t
                     tracker.set_batch(attention_mask=mask)
                 model(ids, attention_mask=mask)
     assert [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)] == []
+
+
+
+class _Device:
+    """Stands for a CUDA device and its torch.cuda.Events: ``done`` forwards are finished, as
+    the test sets it; an event of a later forward is not, until synchronize() waits for it."""
+
+    def __init__(self):
+        self.done, self.log, self.n = 0, [], 0
+
+    def count_later(self, mask):
+        device, k = self, self.n
+        self.n += 1
+
+        class Event:
+            def query(self):
+                device.log.append(f"query {k}")
+                return k < device.done
+
+            def synchronize(self):
+                device.log.append(f"synchronize {k}")
+                device.done = max(device.done, k + 1)
+
+        return (mask == 0).sum(), Event()
+
+
+@pytest.mark.parametrize("rows", ["auto", "token"])
+@pytest.mark.parametrize("ready", ["next_forward", "at_close"])
+def test_a_device_mask_is_counted_without_waiting_for_the_device(rows, ready, tmp_path, monkeypatch):
+    """A CUDA mask's padding is counted on the device and copied to the host without a wait
+    (no synchronization per forward): the warning comes at a later forward's end once the device
+    is done, or at the close, which waits for it, and names the forward whose mask had padding."""
+    from activationscope.capture import scope as scope_mod
+
+    device = _Device()
+    monkeypatch.setattr(scope_mod, "_counts_padding_later", lambda mask: True)
+    monkeypatch.setattr(scope_mod, "_count_zeros_later", device.count_later)
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    warned_after: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows=rows).track(
+                model, include=["proj"]):
+            for i in range(3):
+                if ready == "next_forward" and i == 2:
+                    device.done = 2  # (the device got through forwards 0 and 1 while forward 2 ran)
+                model(ids, attention_mask=_mask(6))
+                warned_after.append(sum(issubclass(w.category, acs.CaptureWarning) for w in caught))
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(mine) == 1, mine
+    assert "forward 0 of the tracked model was given attention_mask= with padding (6 of 24 positions are 0)" in mine[0]
+    if ready == "next_forward":
+        assert warned_after == [0, 0, 1] and not any(e.startswith("synchronize") for e in device.log), device.log
+    else:  # (no forward's end waited: the close did, for forward 0's count)
+        assert warned_after == [0, 0, 0] and device.log[-1] == "synchronize 0", device.log
+        assert not any(e.startswith("synchronize") for e in device.log[:-1]), device.log
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_mask_with_padding_warns_by_the_close(tmp_path):
+    """On a CUDA model the padding count goes through pinned memory and an event: the warning
+    still comes (at the latest when the capture closes) with the right count."""
+    model = _MaskedEncoder().cuda()
+    ids = torch.randint(1, 50, (4, 6), device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr").track(model, include=["proj"]):
+            for _ in range(2):
+                model(ids, attention_mask=_mask(6).cuda())
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(mine) == 1 and "given attention_mask= with padding (6 of 24 positions are 0)" in mine[0], mine

@@ -1070,6 +1070,8 @@ class Tracker:
         self._warned_model_mask = False
         self._mask_arg_index: int | None = None
         self._notes_padding = False
+        # CUDA masks' padding counts on their way to the host: (count, event, warn), read later
+        self._padding_counts: list[tuple[torch.Tensor, Any, Any]] = []
         self._first_arg_type: str | None = None
         # rows="token": the shape (and parameter name) of the model's first tensor input in the
         # current forward when it is an image (batch, channels, height, width), a video or audio
@@ -1797,6 +1799,10 @@ class Tracker:
             return
         self._closed = True
         self._wait_reductions()
+        if self._padding_counts:  # (a device mask's padding of the last forwards: warned now)
+            if exc is None:
+                self._read_padding_counts(wait=True)
+            self._padding_counts.clear()
         if self.writer is not None:
             self._warn_outside_calls()
         if self._refused is not None:  # nothing of this run is committed
@@ -4029,19 +4035,19 @@ class Tracker:
             return
         if not any(s.row_kind == 1 for s in self._sinks.values()):
             return
-        n_pad = int((mask == 0).sum())
-        if n_pad == 0:
-            return
-        self._warned_model_mask = True
-        k = self._core.n_forwards - 1
-        warn_at_caller(
-            f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
-            f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every position "
-            f"of its (batch, pos) = {tuple(mask.shape)}: the padded positions are stored as token rows and enter the "
-            "reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to leave "
-            "padding out (warned once per capture)",
-            CaptureWarning,
-        )
+        k, shape, numel = self._core.n_forwards - 1, tuple(mask.shape), mask.numel()
+
+        def say(n_pad: int) -> None:
+            warn_at_caller(
+                f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {numel} "
+                f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every "
+                f"position of its (batch, pos) = {shape}: the padded positions are stored as token rows and enter "
+                "the reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to "
+                "leave padding out (warned once per capture)",
+                CaptureWarning,
+            )
+
+        self._count_padding(mask, say)
 
     def _warn_padding_in_sample_rows(self) -> None:
         """Warn (once per capture) when ``rows="auto"`` stored or reduced a forward whose model
@@ -4062,23 +4068,64 @@ class Tracker:
                   and _token_rows_for(n, self._token_rows, self._hook_names) is not False]
         if not padded:
             return
-        n_pad = int((mask == 0).sum())
-        if n_pad == 0:
-            return
-        self._warned_model_mask = True
-        k = self._core.n_forwards - 1
+        k, numel = self._core.n_forwards - 1, mask.numel()
         shown = ", ".join(repr(n) for n in padded[:4]) + (", ..." if len(padded) > 4 else "")
         where = "stored and reduced" if stored and any(self._reduction_names.get(n) for n in padded) else (
             "stored" if stored else "reduced")
-        warn_at_caller(
-            f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {mask.numel()} "
-            f"positions are 0), but tracker.set_batch was given no attention_mask: {shown}, starting with its "
-            f"(batch, pos) = {shape}, are {where} one row per sample with the padded positions inside. Give the "
-            "mask to tracker.set_batch(attention_mask=mask) before each forward to store one row per real token, "
-            "padding left out; or token_rows=False to keep each sample's padded sequence as one row (warned once "
-            "per capture)",
-            CaptureWarning,
-        )
+
+        def say(n_pad: int) -> None:
+            warn_at_caller(
+                f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {numel} "
+                f"positions are 0), but tracker.set_batch was given no attention_mask: {shown}, starting with its "
+                f"(batch, pos) = {shape}, are {where} one row per sample with the padded positions inside. Give the "
+                "mask to tracker.set_batch(attention_mask=mask) before each forward to store one row per real "
+                "token, padding left out; or token_rows=False to keep each sample's padded sequence as one row "
+                "(warned once per capture)",
+                CaptureWarning,
+            )
+
+        self._count_padding(mask, say)
+
+    def _count_padding(self, mask: torch.Tensor, say: Any) -> None:
+        """Count the 0 positions of the model's ``attention_mask`` of this forward and call
+        ``say(count)`` (the warning, once per capture) when there are any. A CPU mask is counted
+        now; a CUDA mask's count is copied to pinned host memory without waiting for the device
+        (no synchronization per forward on the capture's path) and read at a later forward's end,
+        once the device has got there, or at the capture's close (:meth:`_read_padding_counts`)."""
+        self._read_padding_counts(wait=False)
+        if self._warned_model_mask:
+            return
+        if not _counts_padding_later(mask):
+            n_pad = int((mask == 0).sum())
+            if n_pad:
+                self._warned_model_mask = True
+                say(n_pad)
+            return
+        if len(self._padding_counts) >= 8:  # (the device is many forwards behind: wait for the oldest)
+            self._read_padding_counts(wait=True, oldest_only=True)
+            if self._warned_model_mask:
+                return
+        self._padding_counts.append((*_count_zeros_later(mask), say))
+
+    def _read_padding_counts(self, wait: bool, oldest_only: bool = False) -> None:
+        """Read the pending device counts of :meth:`_count_padding` in forward order: those the
+        device has finished (every one with ``wait``, the oldest only with ``oldest_only``);
+        warn at the first with padding and drop the rest."""
+        while self._padding_counts:
+            count, ready, say = self._padding_counts[0]
+            if not wait and not ready.query():
+                return
+            if wait:
+                ready.synchronize()
+            self._padding_counts.pop(0)
+            n_pad = int(count)
+            if n_pad and not self._warned_model_mask:
+                self._warned_model_mask = True
+                self._padding_counts.clear()
+                say(n_pad)
+                return
+            if oldest_only:
+                return
 
     def _warn_image_token_rows(self) -> None:
         """Warn (once per capture) when ``rows="token"`` without a ``set_batch`` mask took token
@@ -4687,6 +4734,22 @@ def _seq2seq_parameters(forward: Any) -> tuple[str, ...] | None:
     if not any(p.name in ("decoder_input_ids", "decoder_inputs_embeds") for p in params):
         return None
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _counts_padding_later(mask: torch.Tensor) -> bool:
+    """Whether the padding of ``mask`` is counted without waiting for its device (a CUDA mask)."""
+    return mask.is_cuda
+
+
+def _count_zeros_later(mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The number of 0 positions of the CUDA tensor ``mask``, copied without waiting into a
+    pinned int64 host scalar, and a ``torch.cuda.Event`` recorded on the current stream after the
+    copy (read the scalar once the event's ``query()`` or ``synchronize()`` says it is done)."""
+    count = torch.empty((), dtype=torch.int64, pin_memory=True)
+    count.copy_((mask == 0).sum(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(mask.device))
+    return count, ready
 
 
 def _takes_parameter(forward: Any, name: str) -> bool:
