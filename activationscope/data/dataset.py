@@ -14,6 +14,7 @@ import operator
 import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -747,7 +748,11 @@ class ActivationDataset(Dataset):
 
     Processes: the dataset pickles as the store's path plus options and the resolved row
     selection; DataLoader workers (fork or spawn) reopen the store lazily. After ``fork``
-    the child drops the parent's store objects (``os.register_at_fork``) and reopens. A
+    the child drops the parent's store objects (``os.register_at_fork``) and reopens. The
+    ``columns`` are never read again by a worker: ``fork`` ones share the parent's, and
+    ``torch.multiprocessing`` (``spawn`` and ``forkserver`` workers, a ``Queue.put``) sends
+    them with the dataset, their tensors moved into shared memory once (in place) and
+    mapped by each worker; a plain ``pickle`` leaves them out (read again where needed). A
     ``memory://`` store exists only in the process that made it: a ``spawn`` worker raises
     :class:`~activationscope.errors.StoreError` saying so (use ``fork``, ``num_workers=0``
     or a local path).
@@ -817,9 +822,10 @@ class ActivationDataset(Dataset):
         if self.columns:
             # the columns as tensors now: a null in a row of the dataset is refused here, not at
             # the first read (in a DataLoader worker, after the training loop started), and
-            # DataLoader workers forked later share these tensors instead of each reading the
-            # whole row table again (45 s before the first batch and 3 GB more per worker, of
-            # a store of 50 million token rows)
+            # DataLoader workers share these tensors instead of each reading the row table
+            # again (45 s before the first batch and 3 GB more per worker, of a store of 50
+            # million token rows): forked ones as the parent's memory, spawned ones in shared
+            # memory (_reduce_for_processes)
             self._column_values()
 
     # ------------------------------------------------------------------ construction
@@ -1130,10 +1136,14 @@ class ActivationDataset(Dataset):
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_col_cache"] = None
+        state["_col_cache"] = None  # (read again where unpickled; see _reduce_for_processes)
         state["_window"] = None  # (a view of the mapped rows: never pickled)
         state["_plan"] = None  # (nor the mapped segments)
         return state
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ForkingPickler.register(cls, _reduce_for_processes)  # (found by exact type, as every reducer)
 
     # ------------------------------------------------------------------ size and index
     def __len__(self) -> int:
@@ -1535,6 +1545,34 @@ class ActivationDataset(Dataset):
             f"ActivationDataset({self.source.describe()}, hook_points={self.hook_points}, "
             f"columns={self.columns}, rows={len(self)} {self.row_kind} rows)"
         )
+
+
+def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[Any, dict[str, Any]]]:
+    """How ``torch.multiprocessing`` sends a dataset to another process of this machine
+    (``ForkingPickler``: the dataset of ``spawn`` and ``forkserver`` DataLoader workers, a
+    ``Queue.put``): :meth:`ActivationDataset.__getstate__` plus the column values made when
+    the dataset was, so that the other process does not read the row table and make them
+    again (29-57 s and 3 GB per worker of a store of 50 million token rows). Their tensors go
+    by torch's reductions: moved into shared memory once (in place, in this process), then
+    mapped by every process they are sent to, never copied into each. The activations go as
+    always: the other process maps the store's shards itself. A plain ``pickle`` (a file,
+    ``copy.deepcopy``) leaves the columns out (:meth:`ActivationDataset.__getstate__`)."""
+    state = ds.__getstate__()
+    state["_col_cache"] = ds._col_cache
+    return _restore_dataset, (type(ds), state)
+
+
+def _restore_dataset(cls: type, state: dict[str, Any]) -> Any:
+    """A dataset sent by :func:`_reduce_for_processes`, as ``pickle`` would restore it."""
+    ds = cls.__new__(cls)
+    if hasattr(ds, "__setstate__"):
+        ds.__setstate__(state)
+    else:
+        ds.__dict__.update(state)
+    return ds
+
+
+ForkingPickler.register(ActivationDataset, _reduce_for_processes)
 
 
 #: What identifies the sample of a token row in both row tables: ``sample_id`` repeats across
