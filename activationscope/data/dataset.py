@@ -14,6 +14,7 @@ import operator
 import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -747,7 +748,11 @@ class ActivationDataset(Dataset):
 
     Processes: the dataset pickles as the store's path plus options and the resolved row
     selection; DataLoader workers (fork or spawn) reopen the store lazily. After ``fork``
-    the child drops the parent's store objects (``os.register_at_fork``) and reopens. A
+    the child drops the parent's store objects (``os.register_at_fork``) and reopens. The
+    ``columns`` are never read again by a worker: ``fork`` ones share the parent's, and
+    ``torch.multiprocessing`` (``spawn`` and ``forkserver`` workers, a ``Queue.put``) sends
+    them with the dataset, their tensors moved into shared memory once (in place) and
+    mapped by each worker; a plain ``pickle`` leaves them out (read again where needed). A
     ``memory://`` store exists only in the process that made it: a ``spawn`` worker raises
     :class:`~activationscope.errors.StoreError` saying so (use ``fork``, ``num_workers=0``
     or a local path).
@@ -817,9 +822,10 @@ class ActivationDataset(Dataset):
         if self.columns:
             # the columns as tensors now: a null in a row of the dataset is refused here, not at
             # the first read (in a DataLoader worker, after the training loop started), and
-            # DataLoader workers forked later share these tensors instead of each reading the
-            # whole row table again (45 s before the first batch and 3 GB more per worker, of
-            # a store of 50 million token rows)
+            # DataLoader workers share these tensors instead of each reading the row table
+            # again (45 s before the first batch and 3 GB more per worker, of a store of 50
+            # million token rows): forked ones as the parent's memory, spawned ones in shared
+            # memory (_reduce_for_processes)
             self._column_values()
 
     # ------------------------------------------------------------------ construction
@@ -896,13 +902,22 @@ class ActivationDataset(Dataset):
     def _token_columns(self, names: list[str]) -> pa.Table:
         """The columns ``names`` of the token rows (those the token table or its samples have),
         in the order of ``names``, the token table's own columns first: the per-sample ones
-        read with their samples' keys, in one read of each table (only those columns of both
-        tables decoded), see :func:`_with_sample_columns`."""
+        read of the sample table with its keys, and paired with the token rows through the
+        token table's keys, read one at a time (only those columns of both tables decoded; a
+        key not in ``names`` let go of before the next is read, and before the per-sample
+        columns are repeated onto the token rows), see :func:`_sample_runs`."""
         own = self.source.row_schema("token").names
         if all(c in own for c in names):
             return self.source.row_table("token", names)
-        keys = [k for k in _SAMPLE_KEY if k in own and k not in names]
-        table = _with_sample_columns(self.source.row_table("token", [*names, *keys]), self.source, names, own)
+        table = self.source.row_table("token", names)  # (the token table's own columns of names)
+
+        def key_column(key: str) -> pa.ChunkedArray:  # (a key not in names: read for the join only)
+            return self.source.row_table("token", [key]).column(key)
+
+        runs = _sample_runs(table, self.source, names, own, key_column, self.source.row_schema("token"))
+        if runs is not None:
+            pa.default_memory_pool().release_unused()  # (the keys' memory back to the system first)
+            table = _append_runs(table, *runs)
         return table.select([c for c in table.column_names if c in names])
 
     def _row_table(self, names: list[str] | None = None) -> pa.Table:
@@ -1130,10 +1145,14 @@ class ActivationDataset(Dataset):
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_col_cache"] = None
+        state["_col_cache"] = None  # (read again where unpickled; see _reduce_for_processes)
         state["_window"] = None  # (a view of the mapped rows: never pickled)
         state["_plan"] = None  # (nor the mapped segments)
         return state
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ForkingPickler.register(cls, _reduce_for_processes)  # (found by exact type, as every reducer)
 
     # ------------------------------------------------------------------ size and index
     def __len__(self) -> int:
@@ -1227,7 +1246,8 @@ class ActivationDataset(Dataset):
             if self.columns:
                 table = self._row_table(self.columns)  # (those columns only: never the whole table)
                 for name in self.columns:
-                    col = table.column(name).combine_chunks()
+                    col = table.column(name)
+                    col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()  # (one chunk: no copy)
                     if col.null_count and _numeric(col.type):
                         col = self._fill_unread_nulls(col, name)
                     cache[name] = _column_to_torch(col, name)
@@ -1537,6 +1557,34 @@ class ActivationDataset(Dataset):
         )
 
 
+def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[Any, dict[str, Any]]]:
+    """How ``torch.multiprocessing`` sends a dataset to another process of this machine
+    (``ForkingPickler``: the dataset of ``spawn`` and ``forkserver`` DataLoader workers, a
+    ``Queue.put``): :meth:`ActivationDataset.__getstate__` plus the column values made when
+    the dataset was, so that the other process does not read the row table and make them
+    again (29-57 s and 3 GB per worker of a store of 50 million token rows). Their tensors go
+    by torch's reductions: moved into shared memory once (in place, in this process), then
+    mapped by every process they are sent to, never copied into each. The activations go as
+    always: the other process maps the store's shards itself. A plain ``pickle`` (a file,
+    ``copy.deepcopy``) leaves the columns out (:meth:`ActivationDataset.__getstate__`)."""
+    state = ds.__getstate__()
+    state["_col_cache"] = ds._col_cache
+    return _restore_dataset, (type(ds), state)
+
+
+def _restore_dataset(cls: type, state: dict[str, Any]) -> Any:
+    """A dataset sent by :func:`_reduce_for_processes`, as ``pickle`` would restore it."""
+    ds = cls.__new__(cls)
+    if hasattr(ds, "__setstate__"):
+        ds.__setstate__(state)
+    else:
+        ds.__dict__.update(state)
+    return ds
+
+
+ForkingPickler.register(ActivationDataset, _reduce_for_processes)
+
+
 #: What identifies the sample of a token row in both row tables: ``sample_id`` repeats across
 #: forwards (the same data captured twice) and across ranks (default ids count per rank)
 _SAMPLE_KEY = ("rank", "batch", "sample_id")
@@ -1592,35 +1640,65 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
     Raises ActivationScopeError when such a column is wanted, and what the source raises when
     the sample table cannot be read (StoreCorruptError of a damaged part): a store with no
     sample rows has an empty sample table (as ``Store.row_table`` gives it), never an error."""
+    runs = _sample_runs(tokens, source, wanted, token_columns)
+    return tokens if runs is None else _append_runs(tokens, *runs)
+
+
+def _sample_runs(tokens: pa.Table, source: StoreSource, wanted: Iterable[str] | None = None,
+                 token_columns: Iterable[str] | None = None, key_column: Callable[[str], Any] | None = None,
+                 token_schema: pa.Schema | None = None) -> tuple[pa.Table, np.ndarray] | None:
+    """The per-sample columns of the token rows ``tokens``, one row per *run* of token rows of
+    one sample: ``(values, lengths)``, ``values`` the sample table's columns the token table
+    lacks (null in a run of no sample row), taken at each run's sample, and ``lengths`` the
+    token rows of each run, int64 ``(runs,)``, in order (their sum is ``tokens.num_rows``).
+    None when there is no such column. :func:`_append_runs` repeats them onto the token rows;
+    nothing of the size of the token rows is made here but a bool per row (the runs' starts).
+    Arguments and errors as :func:`_with_sample_columns`, and ``key_column(name)``: the token
+    table's column ``name``, for the keys ``tokens`` does not hold, read one at a time and let
+    go of before the next (``token_schema``: the token table's, whose columns ``tokens`` then
+    has some of)."""
     if token_columns is None:
         samples = source.row_table("sample")
     else:
         own = set(token_columns)
         samples = source.row_table("sample", [*_SAMPLE_KEY, *(c for c in wanted if c not in own)])
-    extra = [c for c in samples.column_names if c not in tokens.column_names]
-    if not extra or "sample_id" not in samples.column_names or "sample_id" not in tokens.column_names:
-        return tokens
-    keys = [k for k in _SAMPLE_KEY if k in samples.column_names and k in tokens.column_names]
-    clashes = row_table_type_clashes(samples.schema, tokens.schema, keys)  # (one writer wrote both: damage)
+    schema = tokens.schema if token_schema is None else token_schema
+    extra = [c for c in samples.column_names if c not in schema.names]
+    if not extra or "sample_id" not in samples.column_names or "sample_id" not in schema.names:
+        return None
+    keys = [k for k in _SAMPLE_KEY if k in samples.column_names and k in schema.names]
+    clashes = row_table_type_clashes(samples.schema, schema, keys)  # (one writer wrote both: damage)
     if clashes:
         raise StoreCorruptError(
             f"the row tables of {source.describe()} disagree: {clashes[0]}, so token rows cannot be paired with "
             "their samples; run store.verify() and restore the store from its source"
         )
     # token rows come in runs, one per sample (row-major mask): look up the first row of each run
+    def column(key: str) -> Any:
+        return tokens.column(key) if key_column is None or key in tokens.column_names else key_column(key)
+
     nt = tokens.num_rows
     head = np.zeros(nt, dtype=bool)  # the first token row of each run
     head[:1] = True
+    changes = {}  # key -> (its value's runs' first rows, their values): small, where the column is not
     for key in keys:
-        col = tokens.column(key).combine_chunks()
+        col = column(key)  # (chunk by chunk: never combined into one copy of the column)
+        change = np.ones(nt, dtype=bool)
         if nt > 1:
-            head[1:] |= pc.fill_null(pc.not_equal(col.slice(1), col.slice(0, nt - 1)), True).to_numpy(
+            change[1:] = pc.fill_null(pc.not_equal(col.slice(1), col.slice(0, nt - 1)), True).to_numpy(
                 zero_copy_only=False)
-    firsts, of_runs = _first_sample_rows(samples, tokens.select(keys).filter(pa.array(head)), keys)
-    # (each run's sample repeated over its rows: no index of every token row made on the way)
+        head |= change
+        changes[key] = (np.flatnonzero(change), col.filter(pa.array(change)))
+        del col, change
     starts = np.flatnonzero(head)
-    of_tokens = np.repeat(of_runs, np.diff(np.append(starts, nt))) if nt else of_runs
-    del head, starts
+    del head
+    # each key's value at each run's first row: that of the last change of the key at or before it
+    at_heads = pa.table({k: values.take(pa.array(np.searchsorted(first, starts, side="right") - 1))
+                         for k, (first, values) in changes.items()})
+    del changes
+    firsts, of_runs = _first_sample_rows(samples, at_heads, keys)
+    lengths = np.diff(np.append(starts, nt)) if nt else np.zeros(0, dtype=np.int64)
+    del starts, at_heads
     dup_rows = np.flatnonzero(firsts != np.arange(samples.num_rows))
     if dup_rows.size:  # one id twice in a forward: fine while their columns agree
         ambiguous = []
@@ -1642,22 +1720,38 @@ def _with_sample_columns(tokens: pa.Table, source: StoreSource, wanted: Iterable
                         "forward (set_batch(sample_ids=...))"
                     )
         extra = [c for c in extra if c not in ambiguous]
-    hit = of_tokens >= 0  # (a token row of no sample gets nulls where no sample column is read)
+    hit = of_runs >= 0  # (a token row of no sample gets nulls where no sample column is read)
     found = []
     if not hit.all() and (wanted is None or any(name in wanted for name in extra)):
         # a writer records each token row with its sample: a store whose row tables were edited or mixed
-        found = token_rows_without_sample_lines(samples, tokens, keys, "")
+        found = token_rows_without_sample_lines(samples, pa.table({k: column(k) for k in keys}), keys, "")
     if found:
         raise StoreCorruptError(
-            f"the row tables of {source.describe()} are damaged: {int((~hit).sum())} token rows have no sample row "
-            f"to take the sample columns {extra} from ({'; '.join(f.rstrip('; ') for f in found)}); a null there is no "
-            "missing value to filter out. Run `activationscope verify` on the store and restore it from its source"
+            f"the row tables of {source.describe()} are damaged: {int(lengths[~hit].sum())} token rows have no sample "
+            f"row to take the sample columns {extra} from ({'; '.join(f.rstrip('; ') for f in found)}); a null there "
+            "is no missing value to filter out. Run `activationscope verify` on the store and restore it from its source"
         )
-    where = pa.array(of_tokens) if hit.all() else pa.array(np.where(hit, of_tokens, 0), mask=~hit)
-    del of_tokens, hit
-    picked = samples.select(extra).take(where)
-    for name in extra:
-        tokens = tokens.append_column(samples.schema.field(name), picked.column(name))
+    where = pa.array(of_runs) if hit.all() else pa.array(np.where(hit, of_runs, 0), mask=~hit)
+    return samples.select(extra).take(where), lengths
+
+
+def _append_runs(tokens: pa.Table, values: pa.Table, lengths: np.ndarray) -> pa.Table:
+    """``tokens`` with the columns of ``values`` appended, row ``r`` of ``values`` repeated
+    ``lengths[r]`` times (see :func:`_sample_runs`). A numeric or bool column without nulls is
+    repeated as one numpy array, which the Arrow column then holds (no index of the token rows
+    made, nor a second copy); any other column is taken at the run of each token row."""
+    index = None
+    for field, col in zip(values.schema, values.columns):
+        t = field.type
+        if (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)) and not col.null_count:
+            flat = np.repeat(col.to_numpy(), lengths)
+            repeated = pa.array(flat, type=t)  # (zero-copy of flat but for bools: a bitmap)
+        else:
+            if index is None:
+                kind = np.int32 if len(lengths) < 2**31 else np.int64
+                index = pa.array(np.repeat(np.arange(len(lengths), dtype=kind), lengths))
+            repeated = col.take(index)
+        tokens = tokens.append_column(field, repeated)
     return tokens
 
 
@@ -1711,7 +1805,14 @@ def _column_to_torch(col: pa.Array, name: str) -> Any:
         if col.null_count:
             raise ArgumentValueError(f"row-table column {name!r} has {col.null_count} nulls; filter them out first")
         # the column's own dtype (uint16 / uint32 included: torch has them, and a column's
-        # tensor is only sliced and indexed, which they support)
+        # tensor is only sliced and indexed, which they support). The tensor holds the Arrow
+        # column's memory (no second copy of a column of every store row: 160 MB of 20 million
+        # int64 labels made 320 MB at once): the dataset never writes into it, and hands out copies
+        if not pa.types.is_boolean(t):  # (bools are bits in Arrow: a copy, bytes)
+            try:
+                return torch.from_dlpack(col)
+            except (TypeError, ValueError, BufferError, pa.ArrowException):
+                pass
         return torch.from_numpy(np.array(col.to_numpy(zero_copy_only=False), copy=True))
     if pa.types.is_nested(t):
         return _NestedColumn(col)

@@ -147,6 +147,11 @@ def _default_map_budget() -> int:
     return max(_MIN_MAP_BUDGET, limit // 2 - held)
 
 
+class _PartProblem(Exception):
+    """A row group of a row-table part read group by group has a problem (``row_part_problem``):
+    the part is read whole again to say it of the whole part."""
+
+
 class _ProcessMappings:
     """The memory mappings the open stores of this process keep cached (each store's
     ``_maps`` and ``_whole``), least recently used first across all of them, under one budget
@@ -3095,7 +3100,10 @@ class Store:
             the order of the ``batch`` column, and every column's type, read from each
             part's Parquet footer without decoding the columns not read: parts, or the ranks
             of a store of rank stores, that disagree on the type of a column not read raise
-            as the whole table's read does). Default: every column.
+            as the whole table's read does). A part is decoded row group by row group: the
+            columns read for the checks alone (``pos``, ``batch``) are held for one row group at
+            a time, and the table holds a chunk per row group (no combined copy); in a store of
+            rank stores each rank's table is checked whole. Default: every column.
 
         Raises
         ------
@@ -3182,13 +3190,28 @@ class Store:
                         return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries, keep)
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
                 self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
-                tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas))
-                problem = row_part_problem(schemas[-1], kind, by_rank, tables[-1])
+                if keep is not None and not by_rank:  # (by rank: checked on the whole table, below)
+                    # checked and projected row group by row group: the columns read for the checks
+                    # only are never decoded for the whole part
+                    def each(group: Any) -> Any:
+                        nonlocal order
+                        if row_part_problem(schemas[-1], kind, by_rank, group) is not None:
+                            raise _PartProblem  # (said of the whole part, below)
+                        order = self._check_part_batch_order(group, kind, order)
+                        return group.select([c for c in group.column_names if c in keep])
+
+                    try:
+                        tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas,
+                                                        each=each))
+                        continue
+                    except _PartProblem:
+                        part = read_parquet_part(raw, self._backend, key, columns=read)
+                else:
+                    part = read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas)
+                tables.append(part)
+                problem = row_part_problem(schemas[-1], kind, by_rank, part)
                 if problem is not None:  # (a missing column would read as nulls: ids no sample has)
                     raise V.corrupt(self._backend, f"row table {kind!r}: part {key!r} {problem}")
-                if keep is not None and not by_rank:  # (by rank: checked on the whole table, below)
-                    order = self._check_part_batch_order(tables[-1], kind, order)
-                    tables[-1] = tables[-1].select([c for c in tables[-1].column_names if c in keep])
         if tables:
             try:  # the columns not read too: a projected read raises where the whole table's does
                 full = pa.unify_schemas(schemas, promote_options="default")

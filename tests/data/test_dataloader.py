@@ -6,6 +6,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from fake_store import open_fake, write_fake_store
@@ -288,3 +289,60 @@ def test_columns_are_read_when_made_and_fork_workers_share_them(store_path, monk
     assert sorted(ids.tolist()) == list(range(N))
     assert torch.equal(torch.cat([b["label"] for b in batches]), ids % 3)
     assert torch.equal(torch.cat([b["x"] for b in batches]), acts[ids])
+
+
+def _token_store_with_columns(path):
+    """Token rows of 6 samples (3 forwards of 2, some tokens masked) with a per-sample int and
+    str column and a per-token float16 column: {hook point "h": rows}."""
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, shard_rows=8)
+    h = w.open_array("h", (2,), torch.float32, "token")
+    rows = []
+    for f in range(3):
+        mask = torch.tensor([[True, True, True, f != 1], [True, f != 2, False, False]])
+        n = int(mask.sum())
+        x = torch.arange(len(rows) * 2, (len(rows) + n) * 2, dtype=torch.float32).reshape(n, 2)
+        h.append(x)
+        rows += list(x)
+        w.add_batch(2, [2 * f, 2 * f + 1], mask, columns={
+            "label": torch.tensor([f, 10 + f]), "name": [f"s{2 * f}", f"s{2 * f + 1}"],
+            "weight": (torch.arange(8, dtype=torch.float16).reshape(2, 4) + f)})
+    w.close()
+    return torch.stack(rows)
+
+
+def _refuse_row_table_reads(worker_id):
+    # (in a worker: every column must have come with the dataset, none read again)
+    def refused(self, kind, columns=None):
+        raise AssertionError(f"worker {worker_id} read the {kind} row table {columns} again")
+
+    StoreSource.row_table = refused
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_workers_get_the_columns_with_the_dataset_in_shared_memory(tmp_path, method):
+    # (each spawn / forkserver worker read the row table and made the columns= tensors again
+    # before its first batch: 29-57 s and about 3 GB per worker of 50 million token rows)
+    rows = _token_store_with_columns(tmp_path / "t.zarr")
+    ds = ActivationDataset(str(tmp_path / "t.zarr"), columns=["sample_id", "pos", "label", "name", "weight"],
+                           filter=pc.field("pos") < 3)
+    sampler = ShuffledBatchSampler(ds, 3, seed=0)
+    want = list(DataLoader(ds, batch_sampler=sampler, num_workers=0))
+    assert not ds._column_values()["label"].is_shared()
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=2, multiprocessing_context=mp.get_context(method),
+                        worker_init_fn=_refuse_row_table_reads)
+    got = list(loader)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert list(g) == list(w) == ["h", "sample_id", "pos", "label", "name", "weight"]
+        for k in g:
+            assert g[k] == w[k] if k == "name" else (torch.equal(g[k], w[k]) and g[k].dtype == w[k].dtype), k
+    seen = torch.cat([g["sample_id"] for g in got])
+    assert sorted(seen.tolist()) == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4, 5]
+    assert torch.equal(torch.cat([g["h"] for g in got]), rows[ds.store_rows()][torch.cat(
+        [torch.tensor(b) for b in sampler])])
+    # the workers map the parent's column tensors (moved into shared memory once), not copies of their own
+    cols = ds._column_values()
+    assert all(cols[c].is_shared() for c in ("sample_id", "pos", "label", "weight"))
+    assert torch.equal(ds[:]["label"], torch.tensor([0, 0, 0, 10, 10, 1, 1, 1, 11, 11, 2, 2, 2, 12]))

@@ -274,3 +274,43 @@ def test_a_filter_naming_a_column_by_its_position_sees_the_whole_table(token_sto
     ds = ActivationDataset(token_store, filter=(pc.field(1) > 0) & (pc.field("tag") < 2), sample_ids=sample_ids,
                            columns=["tag"])
     assert ds.store_rows().tolist() == np.flatnonzero(keep).tolist()
+
+
+def test_a_sample_column_of_token_rows_is_made_in_about_the_memory_of_its_tensor(tmp_path):
+    """``columns=["label"]`` of token rows held, at once, every key of the token table (its
+    ``batch`` and ``sample_id``), the ``pos`` column its checks read, a combined copy of each,
+    an index of the token rows, the label taken at them and a copy of that for the tensor:
+    about 870 MB for a 160 MB tensor at 20 million rows. Now the keys are read one at a time
+    (each part row group by row group), each run of a sample's rows repeats its label into
+    the tensor's own memory: Arrow's and numpy's peaks together stay under 3.5 times it."""
+    import tracemalloc
+
+    from activationscope.store import StoreWriter
+
+    per_forward, pos, n_forwards = 4096, 128, 8  # (4 Mi token rows: the writer's row groups hold 1 Mi)
+    path = tmp_path / "t.zarr"
+    w = StoreWriter(path, commit_interval=60.0)
+    x = w.open_array("x", (1,), torch.float16, "token")
+    for f in range(n_forwards):
+        x.append(torch.zeros(per_forward * pos, 1, dtype=torch.float16))
+        ids = list(range(f * per_forward, (f + 1) * per_forward))
+        w.add_batch(per_forward, ids, torch.ones(per_forward, pos, dtype=torch.bool),
+                    columns={"label": torch.tensor(ids) % 7})
+    w.close()
+    store = acs.open_store(path)
+    store.row_table("sample", ["sample_id"])  # (the store's own first reads: not the dataset's)
+    default = pa.default_memory_pool()
+    arrow = pa.proxy_memory_pool(default)
+    pa.set_memory_pool(arrow)
+    tracemalloc.start()
+    try:
+        ds = ActivationDataset(store, columns=["label"])
+        numpy_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        pa.set_memory_pool(default)
+    label = ds._column_values()["label"]
+    n = per_forward * pos * n_forwards
+    assert label.dtype == torch.int64 and label.shape == (n,)
+    assert torch.equal(label, (torch.arange(n) // pos) % 7)
+    assert arrow.max_memory() + numpy_peak < 3.5 * label.nbytes, (arrow.max_memory(), numpy_peak, label.nbytes)

@@ -203,3 +203,49 @@ def test_a_part_of_a_store_committed_from_rank_stores_without_its_rank_column_is
     with pytest.raises(StoreCorruptError, match=rf"row table 'sample': part '{re.escape(key)}' has no 'rank' column"):
         s.row_table("sample")
     assert len(s.verify()) == 1 and "has no 'rank' column" in s.verify()[0]
+
+
+def _edit_part_in_row_groups(path: Path, kind: str, index: int, edit, rows: int) -> str:
+    """:func:`_edit_part`, the part written in row groups of ``rows`` rows."""
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"][kind]
+    key = info["parts"][index]
+    sink = io.BytesIO()
+    pq.write_table(edit(pq.read_table(path / key)), sink, row_group_size=rows)
+    (path / key).write_bytes(sink.getvalue())
+    info["crc32c"][key] = F.crc32c(sink.getvalue())
+    (path / "zarr.json").write_text(json.dumps(doc))
+    return key
+
+
+def test_a_read_of_some_columns_of_a_part_of_many_row_groups_checks_and_keeps_it_group_by_group(tmp_path, monkeypatch):
+    """A read of some columns decodes a part row group by row group: the columns its checks
+    read (``pos``, ``batch``) held for one group at a time, those kept one chunk a group (a
+    part of 20 million token rows read for two columns held its three columns and a combined
+    copy of each: 760 MB). The values are the whole table's; a null ``pos`` in a later group
+    is refused naming the whole part's count, as the whole table's read does."""
+    path = tmp_path / "s.zarr"
+    _store(path)
+    whole = open_store(path).row_table("token")
+    _edit_part_in_row_groups(path, "token", 0, lambda t: t, rows=2)
+    assert pq.ParquetFile(path / open_store(path).attrs["row_tables"]["token"]["parts"][0]).num_row_groups == 3
+    read = pq.ParquetFile.read
+
+    def whole_part(self, *args, **kwargs):  # (a part of one row group is read whole, as before)
+        assert self.num_row_groups < 2, "a part of many row groups was decoded whole"
+        return read(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(pq.ParquetFile, "read", whole_part)
+        some = open_store(path).row_table("token", columns=["sample_id"])
+    assert some.column_names == ["sample_id"] and some.column("sample_id").num_chunks == 4  # (3 groups + part 1)
+    assert some.column("sample_id").to_pylist() == whole.column("sample_id").to_pylist()
+    assert open_store(path).row_table("token", columns=[]).num_rows == whole.num_rows == 10
+    key = _edit_part_in_row_groups(
+        path, "token", 0, _set("pos", lambda t: pa.array(t.column("pos").to_pylist()[:2] + [None, 1, None], pa.int64())),
+        rows=2)
+    said = rf"store '{re.escape(str(path))}': row table 'token': part '{re.escape(key)}' has 2 nulls in its 'pos' column"
+    with pytest.raises(StoreCorruptError, match=said):
+        open_store(path).row_table("token", columns=["sample_id"])
+    with pytest.raises(StoreCorruptError, match=said):
+        open_store(path).row_table("token")
