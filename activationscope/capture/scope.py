@@ -2568,7 +2568,8 @@ class Tracker:
         """Refuse, before the hook point's first row is kept, an activation whose values a
         copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
         meta device (shapes only), or a quantized one (its integers mean nothing without its
-        scale and zero point). Only an in-memory REFERENCE capture without reductions
+        scale and zero point). Only an in-memory REFERENCE capture without reductions, of a
+        hook point ``storage_dtype`` does not cast (none given, or an integer or bool one),
         keeps the tensor itself, and so can hold them. The native sink (``Sink::consume``)
         makes the same check, with the same message, on every later call. A tensor of a
         torch.func transform (grad, vmap, ...) is refused in every mode: it has no values of
@@ -2599,7 +2600,10 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.storage_dtype is not None:  # (a cast is a copy, in either mode: the native message's words)
+        # (a cast is a copy, in either mode: the native message's words. An integer or bool
+        # hook point is not cast (_cast_dtype), so under REFERENCE it is kept as it is, as the
+        # native sink of a hook point first seen dense keeps it on every later call)
+        if self._cast_dtype(name, tensor) is not None:
             uses.append(f"copied (CaptureMode.SNAPSHOT, or storage_dtype={self.scope.storage_dtype}, whose cast is a "
                         "copy)")
         elif self.scope.capture_mode is CaptureMode.SNAPSHOT:
