@@ -1038,6 +1038,11 @@ class Tracker:
         self._hook_counts: tuple[list[torch.nn.Module], list[int]] = ([], [])
         self._hook_id_seen = -1
         self._hooks_later = False
+        # the forward during which forward hooks were added to tracked modules (seen at its end,
+        # :meth:`_note_hooks_added`), and the one the warning of _hooks_later names (None: added
+        # between forwards)
+        self._hooks_added_in: int | None = None
+        self._hooks_later_added_in: int | None = None
         self._hook_warned: set[str] = set()
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
@@ -2996,6 +3001,7 @@ class Tracker:
             # modules that got forward hooks, as the first captured forward was
             if self._forward_hooks_changed():
                 self._probe_new_hooks()
+            self._hooks_added_in = None
             self._hook_id_seen = _RemovableHandle.next_id
 
     def _add_hook_probes(self, only: set[int] | None = None) -> None:
@@ -3073,7 +3079,9 @@ class Tracker:
         """At the start of a captured forward after the first, when a hook was registered since
         the last look (:meth:`_forward_hooks_changed`): probe the tracked modules that got
         forward hooks since (every one for a new global forward hook), so that one replacing an
-        output is named at the end of this forward."""
+        output is named at the end of this forward, with the forward during which they were
+        added (``_hooks_added_in``, :meth:`_note_hooks_added`) where they were not added between
+        forwards."""
         modules, global_seen = self._hooks_seen
         if set(torch.nn.modules.module._global_forward_hooks) - global_seen:
             only = None
@@ -3083,7 +3091,19 @@ class Tracker:
                 self._note_forward_hooks(global_seen)
                 return
         self._hooks_later = True
+        self._hooks_later_added_in = self._hooks_added_in
         self._add_hook_probes(only)
+
+    def _note_hooks_added(self) -> None:
+        """At the end of a forward: note it in ``_hooks_added_in`` when forward hooks were
+        added to tracked modules (or global ones) during it, by the model or a hook (the
+        earliest such forward until the next captured one probes them): its rows, not only
+        those of the forwards after it, may hold outputs before such a hook, and the warning of
+        the next captured forward says so. One comparison of torch's hook counter unless a
+        hook handle was created since the start of the forward."""
+        if (self._hooks_added_in is None and self._hooks_seen is not None
+                and _RemovableHandle.next_id != self._hook_id_seen and self._forward_hooks_changed()):
+            self._hooks_added_in = self._core.n_forwards - 1
 
     def _remove_hook_probes(self) -> None:
         while self._hook_probes:
@@ -3091,6 +3111,7 @@ class Tracker:
 
     def _warn_replaced_outputs(self) -> None:
         later, self._hooks_later = self._hooks_later, False
+        added_in, self._hooks_later_added_in = self._hooks_later_added_in, None
         found = [n for n in self._hook_replaced if n not in self._hook_warned]
         self._hook_replaced = []
         if not found:
@@ -3104,7 +3125,10 @@ class Tracker:
             shown += (f" (hook points {', '.join(repr(hp) for hp in points[:4])}{', ...' if len(points) > 4 else ''})"
                       if points else "")
             when = (f"forward {self._core.n_forwards - 1} (they were added after the first captured forward, and "
-                    "the rows captured there from this forward on hold the output before them)")
+                    "the rows captured there from this forward on hold the output before them)") if added_in is None \
+                else (f"forward {self._core.n_forwards - 1} (they were added during forward {added_in}, after the "
+                      f"first captured forward's hooks were looked at, and the rows captured there from forward "
+                      f"{added_in} on may hold the output before them)")
         else:
             when = "the first captured forward"
         warn_at_caller(
@@ -3277,6 +3301,7 @@ class Tracker:
         if self._hook_probes:
             self._remove_hook_probes()
             self._warn_replaced_outputs()
+        self._note_hooks_added()
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
