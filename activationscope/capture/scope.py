@@ -1042,6 +1042,7 @@ class Tracker:
         # :meth:`_note_hooks_added`), and the one the warning of _hooks_later names (None: added
         # between forwards)
         self._hooks_added_in: int | None = None
+        self._hook_id_at_start = -1  # torch's hook counter at the start of the forward running
         self._hooks_later_added_in: int | None = None
         self._hook_warned: set[str] = set()
         self._refused: str | None = None
@@ -3003,6 +3004,7 @@ class Tracker:
                 self._probe_new_hooks()
             self._hooks_added_in = None
             self._hook_id_seen = _RemovableHandle.next_id
+        self._hook_id_at_start = _RemovableHandle.next_id  # (_note_hooks_added)
 
     def _add_hook_probes(self, only: set[int] | None = None) -> None:
         """For the first captured forward, around the forward hooks of each tracked module that
@@ -3101,8 +3103,19 @@ class Tracker:
         those of the forwards after it, may hold outputs before such a hook, and the warning of
         the next captured forward says so. One comparison of torch's hook counter unless a
         hook handle was created since the start of the forward."""
-        if (self._hooks_added_in is None and self._hooks_seen is not None
-                and _RemovableHandle.next_id != self._hook_id_seen and self._forward_hooks_changed()):
+        since = self._hook_id_at_start
+        if self._hooks_added_in is not None or self._hooks_seen is None or _RemovableHandle.next_id == since:
+            return
+        # (torch's handle ids only grow: a hook of a handle made during this forward has an id of
+        # at least the counter at its start; one put into a hook dict by hand is not told apart
+        # from one added between forwards)
+        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        try:
+            added = (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
+                     or max(map(max, filter(None, dicts)), default=-1) >= since)
+        except TypeError:  # a key that is not a handle id (put there by hand)
+            added = False
+        if added:
             self._hooks_added_in = self._core.n_forwards - 1
 
     def _remove_hook_probes(self) -> None:
