@@ -2,6 +2,7 @@
 #include "reductions.h"
 
 #include <c10/core/InferenceMode.h>
+#include <torch/csrc/jit/ir/alias_analysis.h>
 #include <torch/script.h>
 
 #include <memory>
@@ -34,6 +35,7 @@ class ScriptReduction : public Reduction {
               "(acc: Optional[Tensor], x: Tensor) -> Tensor, got ", schema);
     acc_optional_ = args[1].type()->kind() == c10::TypeKind::OptionalType;
     has_merge_ = module_->find_method("merge").has_value();
+    writes_acc_ = may_write_acc(*fwd);
   }
 
   void update(const at::Tensor& rows, int64_t) override {
@@ -53,8 +55,11 @@ class ScriptReduction : public Reduction {
     }
     // The accumulator as it was: put back when this batch fails (the function raises, writes
     // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
-    // an accumulator, works on a copy, so that what is put back is untouched.
-    const bool copy = in_place_ || !seen_ || acc_needs_copy();  // (before `kept` shares it)
+    // an accumulator, works on a copy, so that what is put back is untouched. One whose program
+    // never writes into acc (may_write_acc) is given the accumulator itself, shared or not: the
+    // handles the checkpoint, `kept` and the caller hold stay as they are, so a forward copies
+    // nothing (its checkpoint is a handle, not a copy of the state).
+    const bool copy = in_place_ || (writes_acc_ && (!seen_ || acc_needs_copy()));  // (before `kept` shares it)
     undo_from_state_ = acc_from_state_;  // (undo_update)
     undo_rows_device_ = rows_device_;
     undo_made_ = made_;
@@ -100,9 +105,11 @@ class ScriptReduction : public Reduction {
                 "broadcasts, so the batches would not be folded in alike); ",
                 acc_from_state_ ? "give init= (or the stored state) the shape and dtype the function returns"
                                 : "make the function return a tensor of its accumulator's shape and dtype");
+      // (returning acc, or a view of it, counts for a program that may write into it: the
+      // version counter of an inference tensor does not move)
       if (acc_in.defined() &&
           ((acc_versioned && acc_in._version() != acc_version) ||
-           (acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
+           (writes_acc_ && acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
         in_place_ = true;  // (acc += ...; return acc): from the next batch on, on a copy
       }
       seen_ = seen_ || acc_in.defined();
@@ -113,6 +120,10 @@ class ScriptReduction : public Reduction {
       note_nonfinite(acc_, rows);
       acc_from_state_ = false;
       rows_device_ = rows.device();
+      // The accumulator before this batch, when the checkpoint holds it too (the capture's
+      // state before this forward): its memory is kept until the next checkpoint anyway, and
+      // then takes the next forward's copy (copy_acc) instead of a new allocation.
+      spare_ = copy && kept.defined() && saved_acc_.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
     } catch (...) {
       acc_ = kept;
       throw;
@@ -180,6 +191,7 @@ class ScriptReduction : public Reduction {
       a = kv.second;
     }
     acc_ = a.defined() ? a.detach() : a;
+    spare_ = at::Tensor();
     note_acc_finite();
     acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
@@ -273,7 +285,37 @@ class ScriptReduction : public Reduction {
   void copy_acc() {
     if (!acc_.defined()) return;
     c10::InferenceMode normal(false);
-    acc_ = acc_.clone();
+    at::Tensor spare = std::move(spare_);
+    if (reusable(spare, acc_)) {  // (what clone() would give: the same sizes, strides and dtype)
+      spare.copy_(acc_);
+      acc_ = std::move(spare);
+    } else {
+      acc_ = acc_.clone();
+    }
+  }
+  // Whether `spare`, an accumulator no longer in use, can take a copy of `acc` in place of a
+  // clone: no one else holds it or a view of it (the checkpoint moved on), and it is a normal
+  // dense tensor of acc's device, dtype, sizes and strides.
+  static bool reusable(const at::Tensor& spare, const at::Tensor& acc) {
+    return spare.defined() && spare.use_count() == 1 && spare.has_storage() && spare.storage().use_count() == 1 &&
+           !spare.is_inference() && spare.layout() == at::kStrided && acc.layout() == at::kStrided &&
+           !spare.is_neg() && !spare.is_conj() && !acc.is_neg() && !acc.is_conj() &&
+           spare.device() == acc.device() && spare.scalar_type() == acc.scalar_type() &&
+           spare.sizes() == acc.sizes() && spare.strides() == acc.strides() && spare.storage_offset() == 0 &&
+           acc.is_non_overlapping_and_dense();
+  }
+  // Whether the program of `forward` may write into its acc argument (`acc += ...`, `acc.add_`,
+  // a view of it written into, a call it is passed to), by TorchScript's alias analysis, which
+  // answers yes where it cannot tell. No means the function only reads acc.
+  static bool may_write_acc(const torch::jit::Method& forward) {
+    try {
+      std::shared_ptr<torch::jit::Graph> graph = forward.graph();
+      if (graph->inputs().size() < 2) return true;
+      torch::jit::AliasDb db(graph);
+      return db.hasWriters(graph->inputs()[1]);
+    } catch (const std::exception&) {
+      return true;
+    }
   }
   void own_acc() {
     if (acc_needs_copy()) copy_acc();
@@ -289,6 +331,7 @@ class ScriptReduction : public Reduction {
   std::shared_ptr<torch::jit::Module> module_;  // shared by fresh() copies; forward is const
   bool acc_optional_ = true;
   bool has_merge_ = false;
+  bool writes_acc_ = true;  // the function's program may write into acc (may_write_acc)
   bool in_place_ = false;  // the function was seen updating acc in place
   bool seen_ = false;      // the function was seen with an accumulator (in place or not)
   bool acc_from_state_ = false;  // acc_ is an init= or a loaded state, not yet updated
@@ -297,6 +340,7 @@ class ScriptReduction : public Reduction {
   bool made_ = false;      // a batch made NaN or inf of finite rows (note_nonfinite)
   at::Tensor made_dev_;    // the same, kept on the accumulator's device off the CPU
   at::Tensor acc_finite_;  // () bool: acc_ was finite when made (undefined: no accumulator)
+  at::Tensor spare_;       // an earlier accumulator whose memory copy_acc may reuse (or none)
   // (checkpoint) what it remembers
   at::Tensor saved_acc_;
   bool saved_from_state_ = false;

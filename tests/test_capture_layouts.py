@@ -189,6 +189,58 @@ def test_reference_with_storage_dtype_names_the_cast_and_the_fix_that_works(kind
     assert record.is_nested == out.is_nested and record.layout == out.layout and record.device == out.device
 
 
+class IntSparseOut(torch.nn.Module):
+    """Integer values (x * 10, truncated) as a sparse tensor, or dense on the first call when
+    ``dense_first``: storage_dtype= does not cast an integer hook point."""
+
+    def __init__(self, dense_first: bool) -> None:
+        super().__init__()
+        self.dense_first = dense_first
+        self.n_calls = 0
+
+    def forward(self, x):
+        self.n_calls += 1
+        values = (x * 10).to(torch.int64)
+        return values if self.dense_first and self.n_calls == 1 else values.to_sparse()
+
+
+@pytest.mark.parametrize("dense_first", [False, True], ids=["sparse-first-call", "sparse-later-call"])
+def test_reference_with_storage_dtype_keeps_an_integer_sparse_tensor_on_every_call(dense_first):
+    """storage_dtype= does not cast an integer hook point, so REFERENCE makes no copy of it: a
+    sparse one was refused on the hook point's first call ('whose cast is a copy') but kept on
+    a later call (the native sink of a hook point first seen dense). Both calls now keep it,
+    the record being the model's tensor (same values, layout and dtype as a plain forward's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), IntSparseOut(dense_first))
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    scope = acs.ActivationScope(capture_mode=acs.CaptureMode.REFERENCE, storage_dtype=torch.bfloat16)
+    with torch.no_grad(), scope.track(model, include=["1"]) as tr:
+        outs = [model(x) for x in xs]
+    records = tr.activations["1.output"]
+    assert len(records) == 3
+    for record, out, x in zip(records, outs, xs):
+        with torch.no_grad():
+            ref = (model[0](x) * 10).to(torch.int64)  # the plain PyTorch values
+        assert record.layout == out.layout and record.dtype == torch.int64
+        assert torch.equal(record.to_dense(), ref)
+    assert records[-1].layout == torch.sparse_coo
+
+
+@pytest.mark.parametrize("dense_first", [False, True], ids=["sparse-first-call", "sparse-later-call"])
+def test_snapshot_with_storage_dtype_refuses_an_integer_sparse_tensor_alike_on_every_call(dense_first):
+    """SNAPSHOT copies: an integer sparse tensor is refused on its first call and on a later one
+    with the same words (the copy is SNAPSHOT's: storage_dtype= casts no integer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), IntSparseOut(dense_first))
+    said = (r"hook point '1\.output' is a sparse_coo tensor \(not strided\), shape \(2, 3\), in its call \d+, "
+            if dense_first else r"hook point '1\.output' is a sparse_coo tensor \(not strided\), shape \(2, 3\), ")
+    said += r"which cannot be copied \(CaptureMode\.SNAPSHOT\): .*exclude=\['1'\]"
+    with pytest.raises(acs.CaptureError, match=said):
+        with torch.no_grad(), acs.ActivationScope(storage_dtype=torch.bfloat16).track(model, include=["1"]):
+            for _ in range(2):
+                model(torch.randn(2, 3))
+
+
 # ------------------------------------------------- dense first, sparse / nested / meta later
 
 

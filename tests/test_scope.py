@@ -2125,6 +2125,57 @@ def test_a_forward_hook_added_among_unrelated_hook_handles_is_named_without_comp
     torch.testing.assert_close(tr.activations["0.output"][4], model[0](x), rtol=0, atol=0)
 
 
+class HookAdder(torch.nn.Module):
+    """Adds 1; in its call of forward ``when`` registers a forward hook on ``target`` (a module
+    called after it) that replaces the target's output by ``out + 5``."""
+
+    def __init__(self, target: torch.nn.Module, when: int) -> None:
+        super().__init__()
+        self.target = [target]  # (a list: not a submodule)
+        self.when = when
+        self.n_calls = 0
+        self.handle = None
+
+    def forward(self, x):
+        if self.n_calls == self.when:
+            self.handle = self.target[0].register_forward_hook(lambda m, args, out: out + 5)
+        self.n_calls += 1
+        return x + 1
+
+
+@pytest.mark.parametrize("when", [0, 2])
+def test_a_forward_hook_added_during_a_forward_is_named_with_that_forward(when):
+    """A forward hook that the model registers during forward k (here on a module it calls after)
+    already changes that forward's output, so the rows of forward k hold the output before it.
+    The warning, given at the next captured forward, said the hook was added after the first
+    captured forward and that rows were affected 'from this forward on' (forward k + 1); it now
+    names forward k for both."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(HookAdder(lin, when), lin, torch.nn.Identity()).eval()
+    xs = [torch.randn(5, 4) for _ in range(when + 3)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope().track(model) as tr, torch.no_grad():
+                for x in xs:
+                    model(x)
+    finally:
+        if model[0].handle is not None:
+            model[0].handle.remove()
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    assert len(messages) == 1, messages
+    assert re.search(rf"forward hooks of the tracked modules '1' \(hook points '1.output'\) replaced or changed "
+                     rf"their output in forward {when + 1} \(they were added during forward {when}, .*the rows "
+                     rf"captured there from forward {when} on may hold the output before them\)", messages[0])
+    with torch.no_grad():  # plain PyTorch: the output before the hook, and what the model passed on
+        for i, x in enumerate(xs):
+            before = torch.nn.functional.linear(x + 1, lin.weight, lin.bias)
+            torch.testing.assert_close(tr.activations["1.output"][i], before, rtol=0, atol=0)
+            torch.testing.assert_close(tr.activations["2.output"][i], before + 5 if i >= when else before,
+                                       rtol=0, atol=0)
+
+
 def test_a_forward_hook_added_before_forwards_the_policy_skips_is_named_at_the_next_captured_one():
     """A forward hook added to a tracked module before a forward that the capture policy skips
     is named at the next captured forward (the skipped forward used to note torch's hook counter

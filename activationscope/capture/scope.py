@@ -1040,6 +1040,12 @@ class Tracker:
         self._hook_counts: tuple[list[torch.nn.Module], list[int]] = ([], [])
         self._hook_id_seen = -1
         self._hooks_later = False
+        # the forward during which forward hooks were added to tracked modules (seen at its end,
+        # :meth:`_note_hooks_added`), and the one the warning of _hooks_later names (None: added
+        # between forwards)
+        self._hooks_added_in: int | None = None
+        self._hook_id_at_start = -1  # torch's hook counter at the start of the forward running
+        self._hooks_later_added_in: int | None = None
         self._hook_warned: set[str] = set()
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
@@ -2594,7 +2600,8 @@ class Tracker:
         """Refuse, before the hook point's first row is kept, an activation whose values a
         copy, a store or a reduction cannot read: a sparse or nested tensor, or one on the
         meta device (shapes only), or a quantized one (its integers mean nothing without its
-        scale and zero point). Only an in-memory REFERENCE capture without reductions
+        scale and zero point). Only an in-memory REFERENCE capture without reductions, of a
+        hook point ``storage_dtype`` does not cast (none given, or an integer or bool one),
         keeps the tensor itself, and so can hold them. The native sink (``Sink::consume``)
         makes the same check, with the same message, on every later call. A tensor of a
         torch.func transform (grad, vmap, ...) is refused in every mode: it has no values of
@@ -2625,7 +2632,10 @@ class Tracker:
         else:
             return
         uses = []
-        if self.scope.storage_dtype is not None:  # (a cast is a copy, in either mode: the native message's words)
+        # (a cast is a copy, in either mode: the native message's words. An integer or bool
+        # hook point is not cast (_cast_dtype), so under REFERENCE it is kept as it is, as the
+        # native sink of a hook point first seen dense keeps it on every later call)
+        if self._cast_dtype(name, tensor) is not None:
             uses.append(f"copied (CaptureMode.SNAPSHOT, or storage_dtype={self.scope.storage_dtype}, whose cast is a "
                         "copy)")
         elif self.scope.capture_mode is CaptureMode.SNAPSHOT:
@@ -3018,7 +3028,9 @@ class Tracker:
             # modules that got forward hooks, as the first captured forward was
             if self._forward_hooks_changed():
                 self._probe_new_hooks()
+            self._hooks_added_in = None
             self._hook_id_seen = _RemovableHandle.next_id
+        self._hook_id_at_start = _RemovableHandle.next_id  # (_note_hooks_added)
 
     def _add_hook_probes(self, only: set[int] | None = None) -> None:
         """For the first captured forward, around the forward hooks of each tracked module that
@@ -3095,7 +3107,9 @@ class Tracker:
         """At the start of a captured forward after the first, when a hook was registered since
         the last look (:meth:`_forward_hooks_changed`): probe the tracked modules that got
         forward hooks since (every one for a new global forward hook), so that one replacing an
-        output is named at the end of this forward."""
+        output is named at the end of this forward, with the forward during which they were
+        added (``_hooks_added_in``, :meth:`_note_hooks_added`) where they were not added between
+        forwards."""
         modules, global_seen = self._hooks_seen
         if set(torch.nn.modules.module._global_forward_hooks) - global_seen:
             only = None
@@ -3105,7 +3119,30 @@ class Tracker:
                 self._note_forward_hooks(global_seen)
                 return
         self._hooks_later = True
+        self._hooks_later_added_in = self._hooks_added_in
         self._add_hook_probes(only)
+
+    def _note_hooks_added(self) -> None:
+        """At the end of a forward: note it in ``_hooks_added_in`` when forward hooks were
+        added to tracked modules (or global ones) during it, by the model or a hook (the
+        earliest such forward until the next captured one probes them): its rows, not only
+        those of the forwards after it, may hold outputs before such a hook, and the warning of
+        the next captured forward says so. One comparison of torch's hook counter unless a
+        hook handle was created since the start of the forward."""
+        since = self._hook_id_at_start
+        if self._hooks_added_in is not None or self._hooks_seen is None or _RemovableHandle.next_id == since:
+            return
+        # (torch's handle ids only grow: a hook of a handle made during this forward has an id of
+        # at least the counter at its start; one put into a hook dict by hand is not told apart
+        # from one added between forwards)
+        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        try:
+            added = (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
+                     or max(map(max, filter(None, dicts)), default=-1) >= since)
+        except TypeError:  # a key that is not a handle id (put there by hand)
+            added = False
+        if added:
+            self._hooks_added_in = self._core.n_forwards - 1
 
     def _remove_hook_probes(self) -> None:
         while self._hook_probes:
@@ -3113,6 +3150,7 @@ class Tracker:
 
     def _warn_replaced_outputs(self) -> None:
         later, self._hooks_later = self._hooks_later, False
+        added_in, self._hooks_later_added_in = self._hooks_later_added_in, None
         found = [n for n in self._hook_replaced if n not in self._hook_warned]
         self._hook_replaced = []
         if not found:
@@ -3126,7 +3164,10 @@ class Tracker:
             shown += (f" (hook points {', '.join(repr(hp) for hp in points[:4])}{', ...' if len(points) > 4 else ''})"
                       if points else "")
             when = (f"forward {self._core.n_forwards - 1} (they were added after the first captured forward, and "
-                    "the rows captured there from this forward on hold the output before them)")
+                    "the rows captured there from this forward on hold the output before them)") if added_in is None \
+                else (f"forward {self._core.n_forwards - 1} (they were added during forward {added_in}, after the "
+                      f"first captured forward's hooks were looked at, and the rows captured there from forward "
+                      f"{added_in} on may hold the output before them)")
         else:
             when = "the first captured forward"
         warn_at_caller(
@@ -3299,6 +3340,7 @@ class Tracker:
         if self._hook_probes:
             self._remove_hook_probes()
             self._warn_replaced_outputs()
+        self._note_hooks_added()
         if self._core.outside_calls and not self._warned_outside:
             self._warn_outside_calls()
         if not self._core.capturing:
