@@ -70,6 +70,23 @@ def capture_rank_stores(store: str, reductions: list[str], world: int = 2, stora
                 model(batch(b))
 
 
+def wait_for_rank_roots(args, rank: int, world: int, deadline: float) -> None:
+    """Wait until the rank store of every other rank has its root document (zarr.json), or
+    ``deadline`` (time.monotonic()) passes."""
+    import fsspec
+
+    options = json.loads(args.storage_options) if isinstance(args.storage_options, str) else (
+        args.storage_options or {})
+    fs, root = fsspec.core.url_to_fs(args.store, **options)
+    others = [f"{root.rstrip('/')}/ranks/{r:05d}/zarr.json" for r in range(world) if r != rank]
+    while time.monotonic() < deadline:
+        fs.invalidate_cache()
+        if all(fs.exists(p) for p in others):
+            return
+        time.sleep(0.05)
+    print(f"rank {rank}: the other ranks' rank stores have no root document after waiting", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("store")
@@ -205,6 +222,10 @@ def main() -> None:
                 while tracker.writer.n_samples_committed == 0 and time.monotonic() < deadline:
                     tracker.writer.commit()
                     time.sleep(0.01)
+                if not args.stall_before_rank_root:  # (and once the other ranks' rank stores are made:
+                    # on a loaded machine another rank may still be starting; --stall-before-rank-root
+                    # is the test of that case)
+                    wait_for_rank_roots(args, rank, world, deadline=time.monotonic() + 60)
 
                 def die(*_):  # mid-forward: the first layers of this batch were captured already
                     if args.die_how == "raise":  # (leaves the capture's block: the process exits with it)
