@@ -524,3 +524,34 @@ def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp
     w = StoreWriter(str(path))  # (not refused: the lock was given back)
     w.abort(RuntimeError("stop"))
     assert w.remove_if_unused() and not path.exists()
+
+
+def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch):
+    # a Ctrl-C in StoreWriter.close of an overwrite=True while it waited for the background delete
+    # of the old store: the close released the lock and left that delete running, and the close
+    # called again did nothing, so the folder aside (.<name>.replaced-<hex>) was still there after
+    # it. Now the close called again waits for that delete, as an uninterrupted close does
+    import threading
+
+    from acs_testing import hold_aside_delete
+
+    from activationscope.store import StoreWriter
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    data = torch.randn(8, 4)
+    for overwrite in (False, True):
+        if overwrite:
+            go, started = hold_aside_delete(monkeypatch)
+        w = StoreWriter(str(path), overwrite=overwrite)
+        w.open_array("x", (4,), torch.float32, "sample").append(data)
+        w.add_batch(8)
+        if overwrite:
+            at = _InterruptAtLine(W.__file__, "close", "self._finish_delete()", 1)
+            with pytest.raises(KeyboardInterrupt), at:
+                w.close()
+            assert at.raised and started.wait(30)
+            threading.Timer(0.5, go.set).start()  # (the delete ends after this: the close waits for it)
+        w.close()
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert torch.equal(acs.open_store(path)["x"], data)

@@ -4645,7 +4645,9 @@ class StoreWriter:
         cut short before it released the lock, it finishes that one: the writer thread stopped
         (the chunks handed to it written first), the temporary files removed, the lock released;
         nothing more is committed, the store stays at its last commit (``resume=True`` continues
-        it). Otherwise a closed writer's close does nothing.
+        it). Called again after a close cut short as it waited for the delete of the store
+        ``overwrite=True`` replaced, it waits for that delete. Otherwise a closed writer's close
+        does nothing.
 
         Parameters
         ----------
@@ -4670,6 +4672,8 @@ class StoreWriter:
             if self._closed:
                 if self._settling:  # a close, abort or discard interrupted before it let go of the lock
                     self._settle_interrupted()
+                else:  # (one cut short as it waited for the delete of the store it replaced: waited for now)
+                    self._finish_delete()
                 return
             clean = False
             # (the last line before the try: a Ctrl-C before it leaves the close to abort)
