@@ -555,3 +555,91 @@ def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_clo
         w.close()
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
     assert torch.equal(acs.open_store(path)["x"], data)
+
+
+class _Mean:
+    """A reduction as add_reductions stores it: its result only."""
+
+    kind = "mean"
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"mean": self.value}
+
+
+def _writer_left_open(path, **options):
+    """A StoreWriter of two sample arrays ``a`` and ``b`` of 8 float32 features, left open: three
+    batches of 12 rows (with a ``label`` column) in 16-row shards, the first 24 rows committed,
+    then a mean reduction of ``a`` stored: the close flushes the last rows (a partial shard
+    of each array) and commits them with the reduction."""
+    from activationscope.store import StoreWriter
+
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, **options)
+    arrays = [w.open_array(hp, (8,), torch.float32, "sample") for hp in ("a", "b")]
+    for s in range(0, 36, 12):
+        for i, arr in enumerate(arrays):
+            arr.append(data[s:s + 12] + i)
+        w.add_batch(12, list(range(s, s + 12)), None, {"label": torch.arange(s, s + 12) % 3})
+        if s == 12:
+            w._core.drain()
+            assert w.commit()
+    w.add_reductions("a", "mean", _Mean(data.double().mean(0)))
+    return w
+
+
+def _same_store(path, want) -> None:
+    """The store at ``path`` reads as the one at ``want``: status, arrays, row table, reductions."""
+    got, want = acs.open_store(path), acs.open_store(want)
+    assert (got.status, got.n_samples, sorted(got.hook_points)) == (want.status, want.n_samples,
+                                                                    sorted(want.hook_points))
+    for hook_point in want.hook_points:
+        assert torch.equal(got[hook_point], want[hook_point]), hook_point
+    assert got.row_table("sample").to_pylist() == want.row_table("sample").to_pylist()
+    assert got.reductions.keys() == want.reductions.keys()
+    for hook_point, results in want.reductions.items():
+        assert results.keys() == got.reductions[hook_point].keys(), hook_point
+        for name, value in results.items():
+            assert torch.equal(got.reductions[hook_point][name], value), (hook_point, name)
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_row(tmp_path, overwrite):
+    # a Ctrl-C at each line of StoreWriter.close, then close() called again: the close had flushed the last rows (a partial shard of each array) and released
+    # the lock in its clean-up, so the second close did nothing and the store stayed at its
+    # last commit, without those rows nor the reduction (resume=True captured them again), and,
+    # overwriting a store, the old one was put back in place of the new. Now the second close
+    # finishes the first: the store is as an uninterrupted close leaves it
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    names = ("close",)
+
+    def old_store(path):
+        if overwrite:
+            w = _writer_left_open(path)
+            w.close("incomplete")
+
+    want = tmp_path / "want.zarr"
+    old_store(want)
+    _writer_left_open(want, overwrite=overwrite).close()
+    old_store(tmp_path / "counted.zarr")
+    w = _writer_left_open(tmp_path / "counted.zarr", overwrite=overwrite)
+    with _InterruptInFunction(W.__file__, names, None) as counted:
+        w.close()
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        path = tmp_path / f"{k}.zarr"
+        old_store(path)
+        w = _writer_left_open(path, overwrite=overwrite)
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore")
+            with _InterruptInFunction(W.__file__, names, k):
+                w.close()
+        w.close()  # (again: the interrupted close is finished)
+        _same_store(path, want)
+        assert writer_holding(B.resolve(str(path))) is None, k
+        assert not list(tmp_path.glob(f".{k}.zarr.replaced-*")), k  # (overwrite: the old store went)

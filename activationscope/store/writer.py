@@ -1277,6 +1277,7 @@ class StoreWriter:
             self.target = target
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
             self._settling = False  # closed, and not yet let go of the lock (_settle_interrupted)
+            self._closing: str | None = None  # the status of a close a Ctrl-C cut short before its commit
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
@@ -4641,13 +4642,16 @@ class StoreWriter:
         once it is done), so that a closed store leaves no ``.<name>.replaced-<hex>`` folder. A
         part it could not delete is named in a ``RuntimeWarning`` here, never raised.
 
-        Called again after a close, :meth:`abort` or :meth:`discard` that a Ctrl-C (or several)
-        cut short before it released the lock, it finishes that one: the writer thread stopped
-        (the chunks handed to it written first), the temporary files removed, the lock released;
-        nothing more is committed, the store stays at its last commit (``resume=True`` continues
-        it). Called again after a close cut short as it waited for the delete of the store
-        ``overwrite=True`` replaced, it waits for that delete. Otherwise a closed writer's close
-        does nothing.
+        A close cut short by a Ctrl-C before its commit keeps the lock, the rows it flushed and an
+        old store ``overwrite=True`` moved aside: called again, it finishes that close as it began
+        (its ``status``), every row handed to the writer before it committed, the store as an
+        uninterrupted close leaves it. Called again after a close (cut short after its commit),
+        :meth:`abort` or :meth:`discard` that a Ctrl-C (or several) cut short before it released
+        the lock, it finishes that one: the writer thread stopped (the chunks handed to it
+        written first), the temporary files removed, the lock released; nothing more is
+        committed, the store stays at its last commit (``resume=True`` continues it). Called
+        again after a close cut short as it waited for the delete of the store ``overwrite=True``
+        replaced, it waits for that delete. Otherwise a closed writer's close does nothing.
 
         Parameters
         ----------
@@ -4670,14 +4674,16 @@ class StoreWriter:
                 self.discard()
                 return
             if self._closed:
-                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
-                    self._settle_interrupted()
-                else:  # (one cut short as it waited for the delete of the store it replaced: waited for now)
+                if not self._settling:  # (one cut short as it waited for the delete of the store it replaced)
                     self._finish_delete()
-                return
-            clean = False
+                    return
+                if self._closing is None:  # a close, abort or discard interrupted before it let go of the lock
+                    self._settle_interrupted()
+                    return
+                status = self._closing  # a close interrupted before its commit: finished now, as it began
+            clean = pending = False
             # (the last line before the try: a Ctrl-C before it leaves the close to abort)
-            self._closed = self._settling = True
+            self._closed, self._settling, self._closing = True, True, status
             try:
                 # the rows in the chunk buffers go to shards only while the store at the path is still
                 # this writer's (the chunks queued before are written first): one moved, removed,
@@ -4695,17 +4701,24 @@ class StoreWriter:
                     self._commit("incomplete", force=True)
                     self._raise_if_failed()
                 self._commit(status, force=True)
+                self._closing = None
                 # every temporary file of this writer is gone (its spares go in _cleanup); those
                 # of earlier writers went before its first write: no walk of the store's folders
                 clean = not self._failing
+            except KeyboardInterrupt:
+                # (before its commit: the lock stays held, the rows flushed stay in their shards and
+                # an old store moved aside stays there, for the close called again to commit them)
+                pending = self._closing is not None
+                raise
             finally:
-                self._stop_threads_left_running()
-                if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
-                    self._settle_aside(keep_new=False)
-                try:
-                    self._finish_delete()
-                finally:
-                    self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
+                if not pending:
+                    self._stop_threads_left_running()
+                    if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
+                        self._settle_aside(keep_new=False)
+                    try:
+                        self._finish_delete()
+                    finally:
+                        self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
@@ -4716,7 +4729,9 @@ class StoreWriter:
 
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees). Called again after a close, abort or discard cut short by a
-        Ctrl-C before it released the lock, it finishes that one, as :meth:`close` does.
+        Ctrl-C before it released the lock, it finishes that one as :meth:`close` does, but
+        commits nothing more: a close cut short before its commit is given up, the store left
+        at its last commit (status ``incomplete``, ``resume=True`` continues it).
 
         Parameters
         ----------
@@ -4808,7 +4823,9 @@ class StoreWriter:
         thread written first), an old store moved aside by ``overwrite=True`` put back, the
         background delete waited for, the temporary files removed and the lock released, in
         that order, as the interrupted one would have. Nothing more is committed: the store is
-        left at its last commit, which ``resume=True`` continues."""
+        left at its last commit, which ``resume=True`` continues (a close cut short before its
+        commit is given up: only :meth:`close` called again commits it)."""
+        self._closing = None
         self._stop_threads_left_running()
         if self._aside is not None:  # (the new store committed no forward: the old one back)
             self._settle_aside(keep_new=False)
