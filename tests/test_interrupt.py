@@ -605,9 +605,13 @@ def _same_store(path, want) -> None:
             assert torch.equal(got.reductions[hook_point][name], value), (hook_point, name)
 
 
+@pytest.mark.parametrize("names", [("close",), ("_commit_now",)], ids=["close", "commit"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
-def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_row(tmp_path, overwrite):
-    # a Ctrl-C at each line of StoreWriter.close, then close() called again: the close had flushed the last rows (a partial shard of each array) and released
+def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_row(tmp_path, names, overwrite):
+    # a Ctrl-C at each line of StoreWriter.close (and of the commit it makes: one after the commit
+    # took the records of the shards the writer thread finished, before it listed them, lost them,
+    # and a later commit listed no row of theirs, a close "complete" included), then close() called
+    # again: the close had flushed the last rows (a partial shard of each array) and released
     # the lock in its clean-up, so the second close did nothing and the store stayed at its
     # last commit, without those rows nor the reduction (resume=True captured them again), and,
     # overwriting a store, the old one was put back in place of the new. Now the second close
@@ -615,8 +619,6 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_
     from activationscope.store import _backend as B
     from activationscope.store import writer as W
     from activationscope.store._lock import writer_holding
-
-    names = ("close",)
 
     def old_store(path):
         if overwrite:

@@ -310,7 +310,7 @@ class _Array:
     partial_at: float = -math.inf
     partial_rows: int = -1
     # shard records taken from the writer thread by a commit that failed before listing them (an
-    # upload that failed): the next commit lists them first
+    # upload that failed, a Ctrl-C): the next commit lists them first
     untaken: list = field(default_factory=list)
     # a forward recorded by add_batch reached it (or the store as found lists it): only then does
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
@@ -3236,13 +3236,12 @@ class StoreWriter:
                 if self._closed:
                     self._drop_unrecorded_shards(a)
                 continue
-            records, a.untaken = a.untaken + list(a.writer.take_durable()), []
-            for i, rec in enumerate(records):
-                try:
-                    self._list_shard(a, rec)
-                except BaseException:  # (an upload that failed: kept for the next commit)
-                    a.untaken = records[i:]
-                    raise
+            # each record stays in untaken until it is listed: one whose upload failed, and those
+            # after it, are kept for the next commit, also where a Ctrl-C cuts this one short
+            a.untaken.extend(a.writer.take_durable())
+            while a.untaken:
+                self._list_shard(a, a.untaken[0])
+                del a.untaken[0]
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit),
         # and those of the held rewrites written so far (installed below, each with at least those rows)
