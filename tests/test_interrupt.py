@@ -645,3 +645,40 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_
         _same_store(path, want)
         assert writer_holding(B.resolve(str(path))) is None, k
         assert not list(tmp_path.glob(f".{k}.zarr.replaced-*")), k  # (overwrite: the old store went)
+
+
+@pytest.mark.parametrize("again", ["discard", "close"])
+@pytest.mark.parametrize("where", [("_backend", "clear_for_restore", "self.clear()", 1),
+                                   ("writer", "_settle_aside", "self._aside_cleared = True", 1),
+                                   ("_backend", "restore_aside", "os.rename(p, self.root / p.name)", 2),
+                                   ("_backend", "restore_aside", "Path(aside).rmdir()", 1)],
+                         ids=["clearing", "cleared", "moving-back", "moved-back"])
+def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tmp_path, where, again):
+    # a Ctrl-C in StoreWriter.discard of an overwrite=True that committed no forward, while it put the
+    # old store back from the folder aside (the new store's files being removed, the old ones
+    # moved back): the writer had forgotten that folder as the put-back began, so the discard
+    # called again left it there, the old store (its root document included) in it and the
+    # path without a store. Now the discard called again finishes the put-back: the old store
+    # is back at the path as it was, nothing left aside, the lock released
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    _writer_left_open(want).close()
+    _writer_left_open(path).close()
+    w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+    w.open_array("x", (8,), torch.float32, "sample").append(torch.randn(4, 8))
+    w.add_batch(4)
+    module, *line = where
+    at = _InterruptAtLine({"_backend": B, "writer": W}[module].__file__, *line)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
+        assert at.raised
+        getattr(w, again)()
+    _same_store(path, want)
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert writer_holding(B.resolve(str(path))) is None

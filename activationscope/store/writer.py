@@ -1280,6 +1280,7 @@ class StoreWriter:
             self._closing: str | None = None  # the status of a close a Ctrl-C cut short before its commit
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
+            self._aside_cleared = False  # its put-back removed the new store's files (_settle_aside)
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
             # cut-short delete of an earlier overwrite left (_warn_left_aside): each waited for by the close
             self._deleting: list[_AsideDelete] = []
@@ -3636,25 +3637,32 @@ class StoreWriter:
 
     def _settle_aside(self, keep_new: bool) -> None:
         """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
-        of the new one (which committed nothing)."""
-        aside, self._aside = self._aside, None
+        of the new one (which committed nothing). A put-back cut short by a Ctrl-C is finished
+        when called again (``_aside`` is kept until it is done): the new store's files are
+        removed once, then the old ones still aside moved back."""
+        aside = self._aside
         if aside is None:
             return
         if keep_new:  # (its root document first: a deletion cut short leaves no store there)
+            self._aside = None
             try:
                 (aside / "zarr.json").unlink()
             except OSError:
                 pass
             # the rest off this thread: the commit returns at once; close() and abort() wait for it
             self._deleting.append(_AsideDelete(aside))
-        else:
-            try:
-                self._backend.restore_aside(aside)
-                self.put_back = True
-            except OSError as e:
-                warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
-                               f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
-                               "back by hand", RuntimeWarning)
+            return
+        try:
+            if not self._aside_cleared:  # (once only: the entries moved back since are the old store's)
+                self._backend.clear_for_restore()
+                self._aside_cleared = True
+            self._backend.restore_aside(aside, cleared=True)
+            self.put_back = True
+        except OSError as e:
+            warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
+                           f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
+                           "back by hand", RuntimeWarning)
+        self._aside = None
 
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
