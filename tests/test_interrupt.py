@@ -682,3 +682,32 @@ def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tm
     _same_store(path, want)
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
     assert writer_holding(B.resolve(str(path))) is None
+
+
+@pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
+def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_close_to_call_again(tmp_path,
+                                                                                                  monkeypatch, again):
+    # the cell run again while the store's close, cut short by Ctrl-Cs, still holds its lock is
+    # refused; the refusal said the writer was still open and to close it, not that the close
+    # (or tracker.remove()) cut short is to be called again, which finishes it
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    stops, _, interrupted = _held_writer_thread(monkeypatch, W, None)  # (every stop of the thread interrupted)
+    trackers = []
+
+    def cell(path, stop=None, **options):
+        _store_cell(model, xs, path, stop, trackers, compression="zstd", **options)
+
+    path = tmp_path / "s.zarr"
+    _cell_interrupted_in_close(W, cell, path, False)
+    with pytest.raises(acs.StoreLockedError, match=r"one whose close a Ctrl-C cut short holds the store until that "
+                                                    r"close\(\) or tracker\.remove\(\) is called again"):
+        cell(path, resume=True)
+    interrupted[0] = len(stops)  # (from here on, none is)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (trackers[0].writer.close if again == "writer.close" else trackers[0].remove)()
+    cell(path, resume=True) if (path / "zarr.json").exists() else cell(path)
+    assert acs.open_store(path).status == "complete"
