@@ -569,15 +569,16 @@ class _Mean:
         return {"mean": self.value}
 
 
-def _writer_left_open(path, **options):
-    """A StoreWriter of two sample arrays ``a`` and ``b`` of 8 float32 features, left open: three
-    batches of 12 rows (with a ``label`` column) in 16-row shards, the first 24 rows committed,
-    then a mean reduction of ``a`` stored: the close flushes the last rows (a partial shard
-    of each array) and commits them with the reduction."""
+def _writer_left_open(path, make=None, **options):
+    """A StoreWriter (or the writer ``make`` opens: a RankWriter) of two sample arrays ``a`` and
+    ``b`` of 8 float32 features, left open: three batches of 12 rows (with a ``label`` column)
+    in 16-row shards, the first 24 rows committed, then a mean reduction of ``a`` stored: the
+    close flushes the last rows (a partial shard of each array) and commits them with the
+    reduction."""
     from activationscope.store import StoreWriter
 
     data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
-    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, **options)
+    w = (make or StoreWriter)(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, **options)
     arrays = [w.open_array(hp, (8,), torch.float32, "sample") for hp in ("a", "b")]
     for s in range(0, 36, 12):
         for i, arr in enumerate(arrays):
@@ -711,3 +712,30 @@ def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_
         (trackers[0].writer.close if again == "writer.close" else trackers[0].remove)()
     cell(path, resume=True) if (path / "zarr.json").exists() else cell(path)
     assert acs.open_store(path).status == "complete"
+
+
+def test_ctrl_c_at_each_line_of_a_rank_store_close_then_close_again_commits_every_row(tmp_path):
+    # the same Ctrl-Cs in the close of a rank store of its own (process_group=RankStore(r, n): a
+    # RankWriter over the rank store's StoreWriter, no other rank to tell): the RankWriter aborted
+    # the rank store's close cut short, so that its close called again only let go of the lock,
+    # the rank store lacking the rows that close had flushed. Now it commits them, as the
+    # rank store's own close called again does
+    from activationscope.store import writer as W
+    from activationscope.store.ranks import open_capture_writer
+
+    def rank_writer(path):
+        return _writer_left_open(path, make=open_capture_writer, process_group=acs.RankStore(0, 2))
+
+    want = rank_writer(tmp_path / "want.zarr")
+    want.close()
+    with _InterruptInFunction(W.__file__, ("close",), None) as counted:
+        rank_writer(tmp_path / "counted.zarr").close()
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        w = rank_writer(tmp_path / f"{k}.zarr")
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore")
+            with _InterruptInFunction(W.__file__, ("close",), k):
+                w.close()
+        w.close()  # (again: the interrupted close is finished)
+        _same_store(w.path, want.path)
