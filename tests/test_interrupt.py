@@ -524,3 +524,218 @@ def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp
     w = StoreWriter(str(path))  # (not refused: the lock was given back)
     w.abort(RuntimeError("stop"))
     assert w.remove_if_unused() and not path.exists()
+
+
+def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch):
+    # a Ctrl-C in StoreWriter.close of an overwrite=True while it waited for the background delete
+    # of the old store: the close released the lock and left that delete running, and the close
+    # called again did nothing, so the folder aside (.<name>.replaced-<hex>) was still there after
+    # it. Now the close called again waits for that delete, as an uninterrupted close does
+    import threading
+
+    from acs_testing import hold_aside_delete
+
+    from activationscope.store import StoreWriter
+    from activationscope.store import writer as W
+
+    path = tmp_path / "s.zarr"
+    data = torch.randn(8, 4)
+    for overwrite in (False, True):
+        if overwrite:
+            go, started = hold_aside_delete(monkeypatch)
+        w = StoreWriter(str(path), overwrite=overwrite)
+        w.open_array("x", (4,), torch.float32, "sample").append(data)
+        w.add_batch(8)
+        if overwrite:
+            at = _InterruptAtLine(W.__file__, "close", "self._finish_delete()", 1)
+            with pytest.raises(KeyboardInterrupt), at:
+                w.close()
+            assert at.raised and started.wait(30)
+            threading.Timer(0.5, go.set).start()  # (the delete ends after this: the close waits for it)
+        w.close()
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert torch.equal(acs.open_store(path)["x"], data)
+
+
+class _Mean:
+    """A reduction as add_reductions stores it: its result only."""
+
+    kind = "mean"
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"mean": self.value}
+
+
+def _writer_left_open(path, make=None, **options):
+    """A StoreWriter (or the writer ``make`` opens: a RankWriter) of two sample arrays ``a`` and
+    ``b`` of 8 float32 features, left open: three batches of 12 rows (with a ``label`` column)
+    in 16-row shards, the first 24 rows committed, then a mean reduction of ``a`` stored: the
+    close flushes the last rows (a partial shard of each array) and commits them with the
+    reduction."""
+    from activationscope.store import StoreWriter
+
+    data = torch.randn(36, 8, generator=torch.Generator().manual_seed(0))
+    w = (make or StoreWriter)(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, **options)
+    arrays = [w.open_array(hp, (8,), torch.float32, "sample") for hp in ("a", "b")]
+    for s in range(0, 36, 12):
+        for i, arr in enumerate(arrays):
+            arr.append(data[s:s + 12] + i)
+        w.add_batch(12, list(range(s, s + 12)), None, {"label": torch.arange(s, s + 12) % 3})
+        if s == 12:
+            w._core.drain()
+            assert w.commit()
+    w.add_reductions("a", "mean", _Mean(data.double().mean(0)))
+    return w
+
+
+def _same_store(path, want) -> None:
+    """The store at ``path`` reads as the one at ``want``: status, arrays, row table, reductions."""
+    got, want = acs.open_store(path), acs.open_store(want)
+    assert (got.status, got.n_samples, sorted(got.hook_points)) == (want.status, want.n_samples,
+                                                                    sorted(want.hook_points))
+    for hook_point in want.hook_points:
+        assert torch.equal(got[hook_point], want[hook_point]), hook_point
+    assert got.row_table("sample").to_pylist() == want.row_table("sample").to_pylist()
+    assert got.reductions.keys() == want.reductions.keys()
+    for hook_point, results in want.reductions.items():
+        assert results.keys() == got.reductions[hook_point].keys(), hook_point
+        for name, value in results.items():
+            assert torch.equal(got.reductions[hook_point][name], value), (hook_point, name)
+
+
+@pytest.mark.parametrize("names", [("close",), ("_commit_now",)], ids=["close", "commit"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_row(tmp_path, names, overwrite):
+    # a Ctrl-C at each line of StoreWriter.close (and of the commit it makes: one after the commit
+    # took the records of the shards the writer thread finished, before it listed them, lost them,
+    # and a later commit listed no row of theirs, a close "complete" included), then close() called
+    # again: the close had flushed the last rows (a partial shard of each array) and released
+    # the lock in its clean-up, so the second close did nothing and the store stayed at its
+    # last commit, without those rows nor the reduction (resume=True captured them again), and,
+    # overwriting a store, the old one was put back in place of the new. Now the second close
+    # finishes the first: the store is as an uninterrupted close leaves it
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    def old_store(path):
+        if overwrite:
+            w = _writer_left_open(path)
+            w.close("incomplete")
+
+    want = tmp_path / "want.zarr"
+    old_store(want)
+    _writer_left_open(want, overwrite=overwrite).close()
+    old_store(tmp_path / "counted.zarr")
+    w = _writer_left_open(tmp_path / "counted.zarr", overwrite=overwrite)
+    with _InterruptInFunction(W.__file__, names, None) as counted:
+        w.close()
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        path = tmp_path / f"{k}.zarr"
+        old_store(path)
+        w = _writer_left_open(path, overwrite=overwrite)
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore")
+            with _InterruptInFunction(W.__file__, names, k):
+                w.close()
+        w.close()  # (again: the interrupted close is finished)
+        _same_store(path, want)
+        assert writer_holding(B.resolve(str(path))) is None, k
+        assert not list(tmp_path.glob(f".{k}.zarr.replaced-*")), k  # (overwrite: the old store went)
+
+
+@pytest.mark.parametrize("again", ["discard", "close"])
+@pytest.mark.parametrize("where", [("_backend", "clear_for_restore", "self.clear()", 1),
+                                   ("writer", "_settle_aside", "self._aside_cleared = True", 1),
+                                   ("_backend", "restore_aside", "os.rename(p, self.root / p.name)", 2),
+                                   ("_backend", "restore_aside", "Path(aside).rmdir()", 1)],
+                         ids=["clearing", "cleared", "moving-back", "moved-back"])
+def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tmp_path, where, again):
+    # a Ctrl-C in StoreWriter.discard of an overwrite=True that committed no forward, while it put the
+    # old store back from the folder aside (the new store's files being removed, the old ones
+    # moved back): the writer had forgotten that folder as the put-back began, so the discard
+    # called again left it there, the old store (its root document included) in it and the
+    # path without a store. Now the discard called again finishes the put-back: the old store
+    # is back at the path as it was, nothing left aside, the lock released
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    _writer_left_open(want).close()
+    _writer_left_open(path).close()
+    w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+    w.open_array("x", (8,), torch.float32, "sample").append(torch.randn(4, 8))
+    w.add_batch(4)
+    module, *line = where
+    at = _InterruptAtLine({"_backend": B, "writer": W}[module].__file__, *line)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
+        assert at.raised
+        getattr(w, again)()
+    _same_store(path, want)
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert writer_holding(B.resolve(str(path))) is None
+
+
+@pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
+def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_close_to_call_again(tmp_path,
+                                                                                                  monkeypatch, again):
+    # the cell run again while the store's close, cut short by Ctrl-Cs, still holds its lock is
+    # refused; the refusal said the writer was still open and to close it, not that the close
+    # (or tracker.remove()) cut short is to be called again, which finishes it
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    stops, _, interrupted = _held_writer_thread(monkeypatch, W, None)  # (every stop of the thread interrupted)
+    trackers = []
+
+    def cell(path, stop=None, **options):
+        _store_cell(model, xs, path, stop, trackers, compression="zstd", **options)
+
+    path = tmp_path / "s.zarr"
+    _cell_interrupted_in_close(W, cell, path, False)
+    with pytest.raises(acs.StoreLockedError, match=r"one whose close a Ctrl-C cut short holds the store until that "
+                                                    r"close\(\) or tracker\.remove\(\) is called again"):
+        cell(path, resume=True)
+    interrupted[0] = len(stops)  # (from here on, none is)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (trackers[0].writer.close if again == "writer.close" else trackers[0].remove)()
+    cell(path, resume=True) if (path / "zarr.json").exists() else cell(path)
+    assert acs.open_store(path).status == "complete"
+
+
+def test_ctrl_c_at_each_line_of_a_rank_store_close_then_close_again_commits_every_row(tmp_path):
+    # the same Ctrl-Cs in the close of a rank store of its own (process_group=RankStore(r, n): a
+    # RankWriter over the rank store's StoreWriter, no other rank to tell): the RankWriter aborted
+    # the rank store's close cut short, so that its close called again only let go of the lock,
+    # the rank store lacking the rows that close had flushed. Now it commits them, as the
+    # rank store's own close called again does
+    from activationscope.store import writer as W
+    from activationscope.store.ranks import open_capture_writer
+
+    def rank_writer(path):
+        return _writer_left_open(path, make=open_capture_writer, process_group=acs.RankStore(0, 2))
+
+    want = rank_writer(tmp_path / "want.zarr")
+    want.close()
+    with _InterruptInFunction(W.__file__, ("close",), None) as counted:
+        rank_writer(tmp_path / "counted.zarr").close()
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        w = rank_writer(tmp_path / f"{k}.zarr")
+        with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("ignore")
+            with _InterruptInFunction(W.__file__, ("close",), k):
+                w.close()
+        w.close()  # (again: the interrupted close is finished)
+        _same_store(w.path, want.path)

@@ -647,19 +647,29 @@ class LocalBackend:
                              "move)")) from e
         return aside
 
-    def restore_aside(self, aside: Path) -> None:
-        """Put back a store :meth:`move_aside` moved: remove what is in the folder now (but the
-        writer lock; the new root document first, so that a process killed meanwhile leaves no
-        root at the path, which :meth:`finish_move_aside` recognises), move the old entries back
-        (root document last), remove ``aside``."""
+    def restore_aside(self, aside: Path, cleared: bool = False) -> None:
+        """Put back a store :meth:`move_aside` moved: remove what is in the folder now
+        (:meth:`clear_for_restore`), move the old entries back (root document last), remove
+        ``aside``. ``cleared``: that removal is done already (a put-back cut short by a Ctrl-C
+        after it, run again: the entries moved back so far are the old store's, kept); then
+        ``aside`` gone means the put-back is done."""
+        if not cleared:
+            self.clear_for_restore()
+        elif not os.path.lexists(aside):
+            return
+        for p in sorted(Path(aside).iterdir(), key=lambda p: p.name == "zarr.json"):
+            os.rename(p, self.root / p.name)
+        Path(aside).rmdir()
+
+    def clear_for_restore(self) -> None:
+        """:meth:`restore_aside`, step 1: remove what is in the folder (but the writer lock; the
+        new root document first, so that a process killed meanwhile leaves no root at the path,
+        which :meth:`finish_move_aside` recognises). Run again, it removes what is left."""
         try:
             (self.root / "zarr.json").unlink()
         except (FileNotFoundError, IsADirectoryError):  # (a folder there: clear() removes it)
             pass
         self.clear()
-        for p in sorted(Path(aside).iterdir(), key=lambda p: p.name == "zarr.json"):
-            os.rename(p, self.root / p.name)
-        Path(aside).rmdir()
 
     def aside_folders(self) -> list[Path]:
         """The folders :meth:`move_aside` made for this store that are still there

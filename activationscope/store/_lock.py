@@ -239,7 +239,8 @@ class WriterLock:
             # (the holder is a writer of this very process that is still open: no file to delete; a
             # marker of this process whose writer was dropped unclosed is taken over before this)
             extra = ("; that writer is in this process and still open: close it first (leave its `with` block, "
-                     "or call its close(), tracker.remove() for a tracker)")
+                     "or call its close(), tracker.remove() for a tracker; one whose close a Ctrl-C cut short "
+                     "holds the store until that close() or tracker.remove() is called again, which finishes it)")
         elif _holder_role(holder) is not None:
             # (rank 0 holds it from its preparation of the store to its commit of the ranks' stores)
             return StoreLockedError(

@@ -2005,6 +2005,8 @@ class RankSession:
                 w.close(status="complete")
                 self.timings["closed_at"] = time.monotonic()
             except BaseException as e:  # noqa: BLE001 - the other ranks must hear of it
+                if self.standalone and isinstance(e, KeyboardInterrupt) and _close_left_to_retry(w):
+                    raise  # (no other rank to tell: the close called again commits what this one would have)
                 error = e
                 w.abort(e)
         else:
@@ -2109,6 +2111,13 @@ class RankSession:
                 "the rank stores are kept: run `activationscope consolidate STORE` to finish the commit"))
 
 
+def _close_left_to_retry(w: Any) -> bool:
+    """Whether the close of the rank store's writer ``w`` was cut short by a Ctrl-C before its
+    commit (or before it began): a rank store of its own (``RankStore`` with no process group)
+    is left so, for :meth:`RankWriter.close` called again to commit it."""
+    return getattr(w, "_closing", None) is not None or not getattr(w, "_closed", True)
+
+
 class RankWriter:
     """The writer of one rank of a multi-rank capture: its rank store's :class:`StoreWriter`,
     plus the end of the capture (states, outcome exchange, rank 0's commit).
@@ -2175,6 +2184,12 @@ class RankWriter:
     def close(self, status: str = "complete") -> None:
         """Close the rank store; every rank then learns the outcome and rank 0 commits once.
 
+        Called again after a close cut short by Ctrl-C: the rank store's close is finished. A
+        rank store of its own (``RankStore`` with no process group) whose close was cut short
+        before its commit then commits, as :meth:`StoreWriter.close` called again does; one of
+        a process group told the other ranks that it failed, and only lets go of its lock
+        (``resume=True`` continues it).
+
         Raises
         ------
         StoreError
@@ -2182,6 +2197,10 @@ class RankWriter:
             rank stores stay for resume / ``consolidate``).
         """
         if self._done:
+            if _close_left_to_retry(self._inner):  # (a rank store of its own: see _settle_inner)
+                self._inner.close()
+                self._session.timings["closed_at"] = time.monotonic()
+                return
             self._settle_inner()
             return
         self._done = True
@@ -2192,8 +2211,11 @@ class RankWriter:
         """Called again after this rank's close, abort or discard: where a Ctrl-C (or several)
         cut short the rank store's close before it released its lock, the rank store's writer
         finishes that close (:meth:`StoreWriter.abort`: threads stopped, files cleaned, lock
-        released; nothing more committed). Otherwise nothing. Never raises."""
-        if getattr(self._inner, "_settling", False):
+        released; nothing more committed). Otherwise nothing. Never raises. (A rank store of its
+        own, ``RankStore`` with no process group, whose close a Ctrl-C cut short before its
+        commit, or before it began, is left so by that close: :meth:`close` called again
+        commits it, as :meth:`StoreWriter.close` called again does; this gives it up.)"""
+        if getattr(self._inner, "_settling", False) or _close_left_to_retry(self._inner):
             self._inner.abort()
 
     def stopped_by(self, exc: BaseException) -> None:

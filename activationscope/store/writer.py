@@ -310,7 +310,7 @@ class _Array:
     partial_at: float = -math.inf
     partial_rows: int = -1
     # shard records taken from the writer thread by a commit that failed before listing them (an
-    # upload that failed): the next commit lists them first
+    # upload that failed, a Ctrl-C): the next commit lists them first
     untaken: list = field(default_factory=list)
     # a forward recorded by add_batch reached it (or the store as found lists it): only then does
     # a root list it. An array first opened in a forward that is never recorded (refused or raised
@@ -1277,8 +1277,10 @@ class StoreWriter:
             self.target = target
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
             self._settling = False  # closed, and not yet let go of the lock (_settle_interrupted)
+            self._closing: str | None = None  # the status of a close a Ctrl-C cut short before its commit
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
+            self._aside_cleared = False  # its put-back removed the new store's files (_settle_aside)
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
             # cut-short delete of an earlier overwrite left (_warn_left_aside): each waited for by the close
             self._deleting: list[_AsideDelete] = []
@@ -3235,13 +3237,12 @@ class StoreWriter:
                 if self._closed:
                     self._drop_unrecorded_shards(a)
                 continue
-            records, a.untaken = a.untaken + list(a.writer.take_durable()), []
-            for i, rec in enumerate(records):
-                try:
-                    self._list_shard(a, rec)
-                except BaseException:  # (an upload that failed: kept for the next commit)
-                    a.untaken = records[i:]
-                    raise
+            # each record stays in untaken until it is listed: one whose upload failed, and those
+            # after it, are kept for the next commit, also where a Ctrl-C cuts this one short
+            a.untaken.extend(a.writer.take_durable())
+            while a.untaken:
+                self._list_shard(a, a.untaken[0])
+                del a.untaken[0]
         # rows listed in the manifests above (not the writer thread's durable_rows, read now: a
         # shard it finished since take_durable() is on disk but in no manifest until the next commit),
         # and those of the held rewrites written so far (installed below, each with at least those rows)
@@ -3636,25 +3637,32 @@ class StoreWriter:
 
     def _settle_aside(self, keep_new: bool) -> None:
         """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
-        of the new one (which committed nothing)."""
-        aside, self._aside = self._aside, None
+        of the new one (which committed nothing). A put-back cut short by a Ctrl-C is finished
+        when called again (``_aside`` is kept until it is done): the new store's files are
+        removed once, then the old ones still aside moved back."""
+        aside = self._aside
         if aside is None:
             return
         if keep_new:  # (its root document first: a deletion cut short leaves no store there)
+            self._aside = None
             try:
                 (aside / "zarr.json").unlink()
             except OSError:
                 pass
             # the rest off this thread: the commit returns at once; close() and abort() wait for it
             self._deleting.append(_AsideDelete(aside))
-        else:
-            try:
-                self._backend.restore_aside(aside)
-                self.put_back = True
-            except OSError as e:
-                warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
-                               f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
-                               "back by hand", RuntimeWarning)
+            return
+        try:
+            if not self._aside_cleared:  # (once only: the entries moved back since are the old store's)
+                self._backend.clear_for_restore()
+                self._aside_cleared = True
+            self._backend.restore_aside(aside, cleared=True)
+            self.put_back = True
+        except OSError as e:
+            warn_at_caller(f"store {str(self._backend)!r}: the new capture committed nothing, but putting the old "
+                           f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
+                           "back by hand", RuntimeWarning)
+        self._aside = None
 
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
@@ -4641,11 +4649,16 @@ class StoreWriter:
         once it is done), so that a closed store leaves no ``.<name>.replaced-<hex>`` folder. A
         part it could not delete is named in a ``RuntimeWarning`` here, never raised.
 
-        Called again after a close, :meth:`abort` or :meth:`discard` that a Ctrl-C (or several)
-        cut short before it released the lock, it finishes that one: the writer thread stopped
-        (the chunks handed to it written first), the temporary files removed, the lock released;
-        nothing more is committed, the store stays at its last commit (``resume=True`` continues
-        it). Otherwise a closed writer's close does nothing.
+        A close cut short by a Ctrl-C before its commit keeps the lock, the rows it flushed and an
+        old store ``overwrite=True`` moved aside: called again, it finishes that close as it began
+        (its ``status``), every row handed to the writer before it committed, the store as an
+        uninterrupted close leaves it. Called again after a close (cut short after its commit),
+        :meth:`abort` or :meth:`discard` that a Ctrl-C (or several) cut short before it released
+        the lock, it finishes that one: the writer thread stopped (the chunks handed to it
+        written first), the temporary files removed, the lock released; nothing more is
+        committed, the store stays at its last commit (``resume=True`` continues it). Called
+        again after a close cut short as it waited for the delete of the store ``overwrite=True``
+        replaced, it waits for that delete. Otherwise a closed writer's close does nothing.
 
         Parameters
         ----------
@@ -4668,12 +4681,16 @@ class StoreWriter:
                 self.discard()
                 return
             if self._closed:
-                if self._settling:  # a close, abort or discard interrupted before it let go of the lock
+                if not self._settling:  # (one cut short as it waited for the delete of the store it replaced)
+                    self._finish_delete()
+                    return
+                if self._closing is None:  # a close, abort or discard interrupted before it let go of the lock
                     self._settle_interrupted()
-                return
-            clean = False
+                    return
+                status = self._closing  # a close interrupted before its commit: finished now, as it began
+            clean = pending = False
             # (the last line before the try: a Ctrl-C before it leaves the close to abort)
-            self._closed = self._settling = True
+            self._closed, self._settling, self._closing = True, True, status
             try:
                 # the rows in the chunk buffers go to shards only while the store at the path is still
                 # this writer's (the chunks queued before are written first): one moved, removed,
@@ -4691,17 +4708,24 @@ class StoreWriter:
                     self._commit("incomplete", force=True)
                     self._raise_if_failed()
                 self._commit(status, force=True)
+                self._closing = None
                 # every temporary file of this writer is gone (its spares go in _cleanup); those
                 # of earlier writers went before its first write: no walk of the store's folders
                 clean = not self._failing
+            except KeyboardInterrupt:
+                # (before its commit: the lock stays held, the rows flushed stay in their shards and
+                # an old store moved aside stays there, for the close called again to commit them)
+                pending = self._closing is not None
+                raise
             finally:
-                self._stop_threads_left_running()
-                if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
-                    self._settle_aside(keep_new=False)
-                try:
-                    self._finish_delete()
-                finally:
-                    self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
+                if not pending:
+                    self._stop_threads_left_running()
+                    if self._aside is not None:  # closed (failed, or incomplete) before the new store committed a forward
+                        self._settle_aside(keep_new=False)
+                    try:
+                        self._finish_delete()
+                    finally:
+                        self._cleanup(walk=not clean, remove_if_empty=self._unrecorded_folders())
 
     def abort(self, exc: BaseException | None = None) -> None:
         """After an exception in the capture loop: commit what is durable, status "incomplete".
@@ -4712,7 +4736,9 @@ class StoreWriter:
 
         Never raises (a failure here is reported as a warning, so the first error stays the
         one the caller sees). Called again after a close, abort or discard cut short by a
-        Ctrl-C before it released the lock, it finishes that one, as :meth:`close` does.
+        Ctrl-C before it released the lock, it finishes that one as :meth:`close` does, but
+        commits nothing more: a close cut short before its commit is given up, the store left
+        at its last commit (status ``incomplete``, ``resume=True`` continues it).
 
         Parameters
         ----------
@@ -4804,7 +4830,9 @@ class StoreWriter:
         thread written first), an old store moved aside by ``overwrite=True`` put back, the
         background delete waited for, the temporary files removed and the lock released, in
         that order, as the interrupted one would have. Nothing more is committed: the store is
-        left at its last commit, which ``resume=True`` continues."""
+        left at its last commit, which ``resume=True`` continues (a close cut short before its
+        commit is given up: only :meth:`close` called again commits it)."""
+        self._closing = None
         self._stop_threads_left_running()
         if self._aside is not None:  # (the new store committed no forward: the old one back)
             self._settle_aside(keep_new=False)

@@ -619,7 +619,10 @@ def test_a_second_capture_while_a_tracker_of_this_process_holds_the_store_names_
     with torch.no_grad():
         model(torch.ones(3, 2))
     with pytest.raises(acs.StoreLockedError, match=r"still open: close it first \(leave its `with` block, or call "
-                                                   r"its close\(\), tracker\.remove\(\) for a tracker\)\nit is held by a tracker of "
+                                                   r"its close\(\), tracker\.remove\(\) for a tracker; one whose close a "
+                                                   r"Ctrl-C cut short holds the store until that close\(\) or "
+                                                   r"tracker\.remove\(\) is called again, which finishes it\)\n"
+                                                   r"it is held by a tracker of "
                                                    r"Sequential attached in this process and not closed"):
         acs.ActivationScope(store=path, store_options={"overwrite": True}).track(model).attach()
     first.remove()  # (what the message says releases it)
@@ -641,7 +644,8 @@ def test_a_second_writer_of_the_same_process_is_told_to_close_the_first(tmp_path
     first = StoreWriter(target, capture_config={}, model=None, storage_dtype=None)
     with pytest.raises(acs.StoreLockedError, match=rf"pid {os.getpid()} .*that writer is in this process and still "
                        r"open: close it first \(leave its `with` block, or call its close\(\), tracker\.remove\(\) "
-                       r"for a tracker\)$") as e:
+                       r"for a tracker; one whose close a Ctrl-C cut short holds the store until that close\(\) or "
+                       r"tracker\.remove\(\) is called again, which finishes it\)$") as e:
         StoreWriter(target, capture_config={}, model=None, storage_dtype=None, resume=True)
     assert "delete" not in str(e.value)
     first.open_array("x", (2,), torch.float32, "sample").append(torch.ones(3, 2))
