@@ -12,18 +12,6 @@ from typing import Optional
 import torch
 
 
-class StoredMean:
-    """A reduction as ``StoreWriter.add_reductions`` stores it: kind ``mean``, its result only."""
-
-    kind = "mean"
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.value = value
-
-    def result(self) -> dict:
-        return {"mean": self.value}
-
-
 def toy_mlp(width: int = 16, depth: int = 3) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = []

@@ -16,7 +16,7 @@ import torch
 
 import activationscope as acs
 
-from acs_testing import InterruptAt, StoredMean, toy_mlp
+from acs_testing import InterruptAt, toy_mlp
 
 
 def _wrapped(model: torch.nn.Module) -> list[str]:
@@ -557,6 +557,18 @@ def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_clo
     assert torch.equal(acs.open_store(path)["x"], data)
 
 
+class _Mean:
+    """A reduction as add_reductions stores it: its result only."""
+
+    kind = "mean"
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> dict:
+        return {"mean": self.value}
+
+
 def _writer_left_open(path, make=None, **options):
     """A StoreWriter (or the writer ``make`` opens: a RankWriter) of two sample arrays ``a`` and
     ``b`` of 8 float32 features, left open: three batches of 12 rows (with a ``label`` column)
@@ -575,7 +587,7 @@ def _writer_left_open(path, make=None, **options):
         if s == 12:
             w._core.drain()
             assert w.commit()
-    w.add_reductions("a", "mean", StoredMean(data.double().mean(0)))
+    w.add_reductions("a", "mean", _Mean(data.double().mean(0)))
     return w
 
 
