@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
 import reprlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
@@ -1568,8 +1570,37 @@ def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[Any, dict[s
     always: the other process maps the store's shards itself. A plain ``pickle`` (a file,
     ``copy.deepcopy``) leaves the columns out (:meth:`ActivationDataset.__getstate__`)."""
     state = ds.__getstate__()
-    state["_col_cache"] = ds._col_cache
+    cols = ds._col_cache
+    need = sum(t.untyped_storage().nbytes() for t in (cols or {}).values()
+               if isinstance(t, torch.Tensor) and not t.is_shared())
+    free = _shared_memory_free_bytes()
+    if need and free is not None and need > free // 2:
+        # (shared memory is a tmpfs of its own size, 64 MB in a default Docker container: filling
+        # it kills the process with SIGBUS, not an error; half of it is left for the batches)
+        if not getattr(ds, "_warned_shared_memory", False):
+            ds._warned_shared_memory = True
+            warnings.warn(
+                f"ActivationDataset: the columns= tensors ({need:,} bytes) do not fit in half of the free shared "
+                f"memory ({SHARED_MEMORY} has {free:,} bytes free), so each spawn or forkserver "
+                "worker reads them from the row table again; give the container more shared memory (docker run "
+                "--shm-size=...) or use fork workers (multiprocessing_context='fork'), which share them",
+                RuntimeWarning, stacklevel=2)
+        cols = None
+    state["_col_cache"] = cols
     return _restore_dataset, (type(ds), state)
+
+
+#: Where torch.multiprocessing puts the tensors it shares (shm_open) on Linux.
+SHARED_MEMORY = "/dev/shm"
+
+
+def _shared_memory_free_bytes() -> int | None:
+    """Bytes free in :data:`SHARED_MEMORY`, or None where there is none to ask (not Linux)."""
+    try:
+        st = os.statvfs(SHARED_MEMORY)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _restore_dataset(cls: type, state: dict[str, Any]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -346,3 +347,29 @@ def test_spawned_workers_get_the_columns_with_the_dataset_in_shared_memory(tmp_p
     cols = ds._column_values()
     assert all(cols[c].is_shared() for c in ("sample_id", "pos", "label", "weight"))
     assert torch.equal(ds[:]["label"], torch.tensor([0, 0, 0, 10, 10, 1, 1, 1, 11, 11, 2, 2, 2, 12]))
+
+
+def test_columns_too_big_for_shared_memory_are_read_again_by_each_worker(tmp_path, monkeypatch):
+    # shared memory is a tmpfs of its own size (64 MB in a default Docker container): moving
+    # columns that do not fit into it would kill the process with SIGBUS; they are left out
+    # (each spawned worker reads them again, as before) with a warning saying so and the fix
+    from multiprocessing.reduction import ForkingPickler
+
+    from activationscope.data import dataset as dataset_mod
+
+    _token_store_with_columns(tmp_path / "t.zarr")
+    ds = ActivationDataset(str(tmp_path / "t.zarr"), columns=["sample_id", "label", "name"])
+    need = sum(ds._column_values()[c].untyped_storage().nbytes() for c in ("sample_id", "label"))
+    monkeypatch.setattr(dataset_mod, "_shared_memory_free_bytes", lambda: 2 * need - 1)
+    with pytest.warns(RuntimeWarning, match=rf"columns= tensors \({need:,} bytes\) do not fit in half of the free "
+                                            rf"shared memory \(/dev/shm has {2 * need - 1:,} bytes free\), so each "
+                                            r"spawn .*--shm-size=.*multiprocessing_context='fork'"):
+        sent = ForkingPickler.loads(ForkingPickler.dumps(ds))
+    assert sent._col_cache is None and not ds._column_values()["label"].is_shared()
+    assert torch.equal(sent[:]["label"], ds[:]["label"]) and sent[:]["name"] == ds[:]["name"]
+    with warnings.catch_warnings():  # (said once per dataset)
+        warnings.simplefilter("error")
+        ForkingPickler.dumps(ds)
+    monkeypatch.setattr(dataset_mod, "_shared_memory_free_bytes", lambda: 2 * need)
+    sent = ForkingPickler.loads(ForkingPickler.dumps(ds))
+    assert sent._col_cache is not None and ds._column_values()["label"].is_shared()
