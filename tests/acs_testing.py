@@ -413,6 +413,12 @@ def run_as_other_user(fn) -> tuple[str, str]:
             if hasattr(os, "geteuid") and os.geteuid() == 0:
                 os.setgid(65534)
                 os.setuid(65534)
+                # (multiprocessing's temporary folder, made by this process as root once an earlier
+                # test shared a tensor through torch.multiprocessing, is closed to nobody: the
+                # DataLoader workers' sockets go into one of its own)
+                import multiprocessing.process
+
+                multiprocessing.process.current_process()._config.pop("tempdir", None)
             fn()
         except BaseException as e:  # noqa: BLE001 (reported to the parent)
             out = f"{type(e).__name__}\n{e}".encode()
