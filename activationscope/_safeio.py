@@ -84,7 +84,8 @@ def _decoded_bytes(arr: Any) -> int:
 
 
 def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES,
-                      columns: Any = None, schemas: list | None = None, each: Any = None) -> Any:
+                      columns: Any = None, schemas: list | None = None, each: Any = None,
+                      max_rows: int | None = None) -> Any:
     """A row-table part (Parquet bytes, read whole and checked already) as a ``pyarrow.Table``,
     read on this thread, whose decoded size is bounded before it is decoded.
 
@@ -98,6 +99,14 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     never decoded for the whole part at once, nor the part's columns combined into one array
     (a part of 20 million token rows read for two columns held its three decoded columns and
     a combined copy of each: 760 MB for 320 MB kept). None: the part is read whole.
+    ``max_rows``: the most rows the part may hold (the rows its table's metadata has left for
+    it); None: no bound but the footer's own.
+
+    The footer's row counts are checked before a value is decoded (Parquet allocates each
+    column of a row group by the row count its footer gives): every row group holds 0 rows or
+    more, each of its columns at least as many values, the file as many rows as its row groups
+    together, and at most ``max_rows`` -- a footer that says a row group of a few rows holds
+    2**31 never has 16 GB allocated for it.
 
     A part may hold at most ``max_decoded`` bytes once decoded (4 GiB, as a part's file): its
     strings and binaries, at any depth, are first read as dictionaries (no larger than the
@@ -115,8 +124,9 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     Raises
     ------
     StoreCorruptError
-        The bytes are no readable Parquet file, or they decode to more than ``max_decoded``
-        bytes; the message names ``key``.
+        The bytes are no readable Parquet file, their footer's row counts disagree (or are more
+        than ``max_rows``), or they decode to more than ``max_decoded`` bytes; the message
+        names ``key``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -136,8 +146,11 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
         strings = [schema.column(i).path for i in range(len(schema)) if schema.column(i).physical_type == "BYTE_ARRAY"]
         reader = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=strings or None)
         groups = [None] if each is None or reader.num_row_groups < 2 else list(range(reader.num_row_groups))
+        lie = _footer_row_count_problem(plain.metadata, max_rows)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+    if lie is not None:
+        raise corrupt(where, f"row-table part {key!r} {lie}")
     n = 0  # (the decoded bytes of the row groups read so far)
     done = []
     for group in groups:
@@ -164,6 +177,28 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     if not done[0].column_names:  # (Arrow counts no rows of tables of no column when it concatenates them)
         return pa.table({"rows": pa.nulls(sum(t.num_rows for t in done))}).select([])
     return pa.concat_tables(done)
+
+
+def _footer_row_count_problem(meta: Any, max_rows: int | None) -> str | None:
+    """What is wrong with the row counts of a Parquet footer ``meta``, as a phrase after
+    "part 'KEY' " (None: nothing): see :func:`read_parquet_part`."""
+    total = 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        n = group.num_rows
+        if n < 0:
+            return f"says in its footer that its row group {i} holds {n} rows"
+        for j in range(group.num_columns):
+            if group.column(j).num_values < n:
+                return (f"says in its footer that its row group {i} holds {n} rows, but its column "
+                        f"{group.column(j).path_in_schema!r} {group.column(j).num_values} values")
+        total += n
+    if total != meta.num_rows:
+        return f"says in its footer that it holds {meta.num_rows} rows, but its row groups {total}"
+    if max_rows is not None and total > max_rows:
+        return (f"says in its footer that it holds {total} rows, more than the {max_rows} rows the "
+                "table's metadata (n_rows) leaves for it")
+    return None
 
 
 def _as_file_types(table: Any, target: Any, buf: Any, names: Any, group: int | None, where: Any, key: str) -> Any:

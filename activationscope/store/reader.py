@@ -3181,8 +3181,12 @@ class Store:
         dist = self._attrs.get("distributed")
         by_rank = isinstance(dist, dict) and dist.get("committed") is True
         order = (0, None)  # (rows before the part, the batch of the last row) of the parts read
+        n_rows = info.get("n_rows")
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
+                # (a part's footer never says it holds more rows than the table has left: Parquet
+                # allocates by what it says)
+                left = n_rows - sum(t.num_rows for t in tables) if isinstance(n_rows, int) else None
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
                     later = self._later_row_table(kind, info, tries)
@@ -3202,12 +3206,12 @@ class Store:
 
                     try:
                         tables.append(read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas,
-                                                        each=each))
+                                                        each=each, max_rows=left))
                         continue
                     except _PartProblem:
-                        part = read_parquet_part(raw, self._backend, key, columns=read)
+                        part = read_parquet_part(raw, self._backend, key, columns=read, max_rows=left)
                 else:
-                    part = read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas)
+                    part = read_parquet_part(raw, self._backend, key, columns=read, schemas=schemas, max_rows=left)
                 tables.append(part)
                 problem = row_part_problem(schemas[-1], kind, by_rank, part)
                 if problem is not None:  # (a missing column would read as nulls: ids no sample has)

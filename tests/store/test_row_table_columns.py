@@ -249,3 +249,99 @@ def test_a_read_of_some_columns_of_a_part_of_many_row_groups_checks_and_keeps_it
         open_store(path).row_table("token", columns=["sample_id"])
     with pytest.raises(StoreCorruptError, match=said):
         open_store(path).row_table("token")
+
+
+def _put_part(path: Path, kind: str, index: int, data: bytes) -> str:
+    """Part ``index`` of row table ``kind`` replaced by the bytes ``data``, its crc32c
+    recomputed in the root. Its key."""
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"][kind]
+    key = info["parts"][index]
+    (path / key).write_bytes(data)
+    info["crc32c"][key] = F.crc32c(data)
+    (path / "zarr.json").write_text(json.dumps(doc))
+    return key
+
+
+@pytest.mark.parametrize("columns", [None, ["sample_id"], ["pos"], []])
+def test_a_read_of_many_row_groups_and_parts_of_no_rows_gives_the_rows_pyarrow_reads(tmp_path, columns):
+    """Parts of one row a group, and parts of no row among them: the rows and values of each
+    column read are those pyarrow reads of the parts, in order."""
+    path = tmp_path / "s.zarr"
+    _store(path)
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"]["token"]
+    parts = []
+    for index, key in enumerate(info["parts"]):
+        sink = io.BytesIO()
+        pq.write_table(pq.read_table(path / key), sink, row_group_size=1)
+        _put_part(path, "token", index, sink.getvalue())
+        parts.append(pq.read_table(path / key))
+    sink = io.BytesIO()
+    pq.write_table(parts[0].slice(0, 0), sink)
+    doc = json.loads((path / "zarr.json").read_text())
+    info = doc["attributes"]["activationscope"]["row_tables"]["token"]
+    for at, key in ((0, "rows/token/part-empty-0.parquet"), (2, "rows/token/part-empty-1.parquet")):
+        (path / key).write_bytes(sink.getvalue())
+        info["parts"].insert(at, key)
+        info["crc32c"][key] = F.crc32c(sink.getvalue())
+    (path / "zarr.json").write_text(json.dumps(doc))
+    store = open_store(path)
+    assert [pq.ParquetFile(path / k).num_row_groups for k in store.attrs["row_tables"]["token"]["parts"]] == [1, 5, 1, 5]
+    want = pa.concat_tables(parts)
+    got = store.row_table("token", columns=columns)
+    if columns is not None:
+        want = want.select(columns)
+    assert got.num_rows == want.num_rows == 10 and got.column_names == want.column_names
+    assert got.to_pydict() == want.to_pydict()
+
+
+@pytest.mark.parametrize("columns", [None, ["sample_id"]])
+@pytest.mark.parametrize("lie", ["group", "group and values", "group, values and file", "negative", "too few"])
+def test_a_part_whose_footer_lies_about_its_row_counts_is_refused_before_it_is_decoded(tmp_path, monkeypatch,
+                                                                                        lie, columns):
+    """Parquet allocates each column of a row group by the row count its footer gives: a part
+    (its crc32c rewritten to match) whose footer says a row group of 2 rows holds 2**24 had
+    hundreds of MB allocated for it, and its rows read as the pages have them. Now the footer's
+    counts are checked first: a row group of more rows than its columns have values, a file of
+    another count than its groups', a footer that agrees with itself but says more rows than
+    the table's n_rows leaves, or a negative count, is refused naming the part, before a value
+    is decoded; a group that says fewer rows than it has reads other rows, which the table's
+    n_rows refuses."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parquet_footer import lying_row_counts
+
+    path = tmp_path / "s.zarr"
+    _store(path)
+    key = open_store(path).attrs["row_tables"]["token"]["parts"][0]
+    sink = io.BytesIO()
+    pq.write_table(pq.read_table(path / key), sink, row_group_size=2)
+    good = sink.getvalue()
+    big = 2**24
+    bad, said = {
+        "group": (lying_row_counts(good, {0: big}), rf"its row group 0 holds {big} rows, but its column 'sample_id' 2 "
+                                                    "values"),
+        "group and values": (lying_row_counts(good, {0: big}, values=True),
+                             rf"says in its footer that it holds 5 rows, but its row groups {big + 3}"),
+        "group, values and file": (lying_row_counts(good, {0: big}, file_rows=big + 3, values=True),
+                                   rf"says in its footer that it holds {big + 3} rows, more than the 10 rows the "
+                                   r"table's metadata \(n_rows\) leaves for it"),
+        "negative": (lying_row_counts(good, {0: -1}, file_rows=4), "its row group 0 holds -1 rows"),
+        "too few": (lying_row_counts(good, {0: 1}, file_rows=4, values=True), "row table 'token' has 9 rows in its "
+                                                                               "parts, but the metadata says n_rows 10"),
+    }[lie]
+    assert _put_part(path, "token", 0, bad) == key
+    decoded = []
+    for name in ("read", "read_row_group"):
+        def spy(self, *args, _read=getattr(pq.ParquetFile, name), **kwargs):
+            decoded.append(name)
+            return _read(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    with pytest.raises(StoreCorruptError, match=said):
+        open_store(path).row_table("token", columns=columns)
+    if lie != "too few":
+        assert decoded == [], "a part whose footer lies was decoded"
+    assert open_store(path).verify() != []  # (verify names the damage too)
