@@ -170,6 +170,14 @@ def test_a_misspelt_store_names_the_store_meant(capsys, tmp_path, command):
     _one_error_line(err, f"store '{tmp_path / 'run.zar'}' does not exist; did you mean '{tmp_path / 'run.zarr'}'?")
 
 
+def test_a_missing_store_of_a_name_too_long_is_said_not_to_exist(capsys, tmp_path):
+    # (the hint looking for stores beside it raised: "error: [Errno 36] File name too long")
+    path = str(tmp_path / ("x" * 300) / "run.zarr")
+    code, _, err = run(capsys, "info", path)
+    assert code == 1
+    _one_error_line(err, f"store '{path}' does not exist")
+
+
 @pytest.mark.parametrize("command", ["info", "verify", "report"])
 def test_missing_store_is_one_line(capsys, tmp_path, command):
     extra = ["--out", str(tmp_path / "r")] if command == "report" else []

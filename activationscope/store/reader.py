@@ -68,24 +68,37 @@ from ._backend import (LocalBackend, _kind, check_backend_not_in_store, check_re
 
 def missing_store_hint(path: Any) -> str:
     """``"; did you mean '<store>'?"`` for a local store path where nothing is: the stores
-    (folders holding a ``zarr.json``) beside it whose names are closest to its name (a typo,
+    beside it (folders whose ``zarr.json`` is an activationscope store's, or that hold a writer
+    lock; never a group inside a store) whose names are closest to its name (a typo,
     ``run.zar`` for ``run.zarr``); ``"; its folder '<parent>' does not exist either"`` when its
-    folder is missing too; else ``""``. Looks at the first 1000 entries of the folder only."""
+    folder is missing too, ``"; '<parent>' is a file, not a folder"`` when that is a file; else
+    ``""`` (a URL, a path that cannot be looked at). Looks at the first 1000 entries of the
+    folder only; never raises."""
     import difflib
     from pathlib import Path
 
-    path = Path(os.fspath(path))
-    parent = path.parent
-    if not parent.is_dir():
-        return f"; its folder {str(parent)!r} does not exist either"
+    from ._backend import _store_marks
+
     try:
+        given = os.fspath(path)
+        if not isinstance(given, str) or "://" in given or given.startswith("file:"):
+            return ""  # (a URL: its folder is no local folder to look in)
+        path = Path(os.path.expanduser(given))
+        parent = path.parent
+        if not parent.is_dir():
+            if parent.exists():
+                return f"; {str(parent)!r} is a file, not a folder"
+            return f"; its folder {str(parent)!r} does not exist either"
+        if store_above(path) is not None:
+            return ""  # (its folder is inside a store: the folders beside it are its groups and arrays)
         with os.scandir(parent) as entries:
-            names = [e.name for e in itertools.islice(entries, 1000) if e.is_dir()]
-    except OSError:
+            names = [e.name for e in itertools.islice(entries, 1000) if e.is_dir() and e.name != path.name]
+        close = [n for n in difflib.get_close_matches(path.name, names, n=3, cutoff=0.85)
+                 if _store_marks(parent / n)[0]]
+    except (OSError, ValueError, TypeError):  # (a name too long, a NUL byte, a folder not readable)
         return ""
-    close = [n for n in difflib.get_close_matches(path.name, names, n=3, cutoff=0.85)
-             if os.path.isfile(os.path.join(parent, n, "zarr.json"))]
-    return f"; did you mean {', '.join(repr(str(parent / n)) for n in close)}?" if close else ""
+    shown = Path(given).parent  # (as given: '~' not expanded)
+    return f"; did you mean {', '.join(repr(str(shown / n)) for n in close)}?" if close else ""
 
 
 # shard index entry of a chunk that is not there (Zarr sharding: 2**64 - 1)

@@ -475,3 +475,32 @@ def test_a_misspelt_store_path_names_the_stores_beside_it(tmp_path):
         acs.open_store(tmp_path / "nodir" / "run.zarr")
     with pytest.raises(StoreError, match=r"nothing is there$"):
         acs.open_store(tmp_path / "other.zarr")
+
+
+def test_the_misspelt_store_path_hint_names_only_stores_beside_the_path_and_never_raises(tmp_path, monkeypatch):
+    """The hint of a path where nothing is suggests stores beside it only, spelt as the path
+    was given: never a group or array inside a store (run.zarr/act named run.zarr/acts, a
+    group, and run.zarr/acts/hx the array acts/h), never a path made of a URL (s3://b/run.zar
+    named the folder 's3:/b'), a folder that is a file as a file (it said it does not exist),
+    and a path it cannot look at (a name too long: the command line printed [Errno 36], a NUL
+    byte, bytes) gets no hint, not an error."""
+    from acs_testing import store_three_batches
+
+    from activationscope.store.reader import missing_store_hint
+
+    store_three_batches(str(tmp_path / "run.zarr"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert missing_store_hint("run.zar") == "; did you mean 'run.zarr'?"
+    assert missing_store_hint("./run.zar/") == "; did you mean 'run.zarr'?"
+    assert missing_store_hint(tmp_path / "run.zar") == f"; did you mean '{tmp_path / 'run.zarr'}'?"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert missing_store_hint("~/run.zar") == "; did you mean '~/run.zarr'?"
+    assert missing_store_hint("nodir/run.zarr") == "; its folder 'nodir' does not exist either"
+    assert missing_store_hint("afile/run.zarr") == "; 'afile' is a file, not a folder"
+    for given in ["run.zarr/act", "run.zarr/acts/" + next(p.name for p in (tmp_path / "run.zarr" / "acts").iterdir() if p.is_dir()) + "x",
+                  "s3://bucket/run.zar", "memory://run.zar", "file:run.zar", "x" * 300 + "/run.zar",
+                  "run\x00.zar", b"run.zar", "", "/"]:
+        assert missing_store_hint(given) == "", given
+    with pytest.raises(StoreError, match=r"nothing is there; '.*afile' is a file, not a folder$"):
+        acs.open_store("afile/run.zarr")
