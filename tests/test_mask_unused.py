@@ -216,6 +216,42 @@ def test_default_rows_say_nothing_of_a_mask_described_unpadded_or_chosen(case, t
 
 
 
+_FLOAT_MASKS = {
+    # (the mask given to the model, what its padding holds in the warning; None: no padding)
+    "0/1 float": (lambda: _mask(6).float(), "0"),  # (a Hugging Face mask cast to float)
+    "additive": (lambda: (~_mask(6)).float() * torch.finfo(torch.float32).min, "negative"),
+    "additive -inf": (lambda: torch.where(_mask(6), 0.0, float("-inf")), "negative"),
+    "additive unpadded": (lambda: torch.zeros(4, 6), None),
+    "0/1 float unpadded": (lambda: torch.ones(4, 6), None),
+}
+
+
+@pytest.mark.parametrize("rows", ["auto", "token"])
+@pytest.mark.parametrize("case", list(_FLOAT_MASKS))
+def test_a_float_mask_given_to_the_model_warns_of_its_padding_only(case, rows, tmp_path):
+    """A float attention_mask of 0s and 1s (a Hugging Face mask cast to float) has its 0s as
+    padding, an additive one (0 at the tokens, -inf or the lowest float at the padding) its
+    negative values: rows="auto" said nothing of either (float masks were passed over), and
+    rows="token" counted the 0s of an additive mask, its real tokens, as padding (an unpadded
+    one: "24 of 24 positions are 0")."""
+    make, value = _FLOAT_MASKS[case]
+    model = _MaskedEncoder()
+    ids = torch.randint(1, 50, (4, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows=rows).track(model,
+                                                                                                include=["proj"]):
+            for _ in range(2):
+                model(ids, attention_mask=make())
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    if value is None:
+        assert mine == []
+    else:
+        assert len(mine) == 1, mine
+        assert f"forward 0 of the tracked model was given attention_mask= with padding (6 of 24 positions are {value})" \
+            in mine[0]
+
+
 class _Device:
     """Stands for a CUDA device and its torch.cuda.Events: ``done`` forwards are finished, as
     the test sets it; an event of a later forward is not, until synchronize() waits for it."""

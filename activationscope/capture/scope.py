@@ -4082,8 +4082,9 @@ class Tracker:
         def say(n_pad: int) -> None:
             warn_at_caller(
                 f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {numel} "
-                f"positions are 0), but rows='token' with no attention_mask in tracker.set_batch stores every "
-                f"position of its (batch, pos) = {shape}: the padded positions are stored as token rows and enter "
+                f"positions are {_padding_value(mask)}), but rows='token' with no attention_mask in "
+                f"tracker.set_batch stores every position of its (batch, pos) = {shape}: the padded positions are "
+                "stored as token rows and enter "
                 "the reductions. Give the mask to tracker.set_batch(attention_mask=mask) before each forward to "
                 "leave padding out (warned once per capture)",
                 CaptureWarning,
@@ -4095,11 +4096,12 @@ class Tracker:
         """Warn (once per capture) when ``rows="auto"`` stored or reduced a forward whose model
         was given an ``attention_mask`` with padding that ``set_batch`` did not describe: the hook
         points starting with its ``(batch, pos)`` keep one row per sample, ``(pos, ...)`` with the
-        padded positions inside, and their reductions count those positions."""
+        padded positions inside, and their reductions count those positions (padding as
+        :func:`_padding_count` counts it)."""
         mask = self._model_mask
-        if mask is None or self._warned_model_mask or mask.is_floating_point() or mask.is_complex():
-            return  # (an additive float mask is 0 at the real tokens: not counted)
-        if mask.device.type == "cpu" and bool(mask.all()):
+        if mask is None or self._warned_model_mask or mask.is_complex():
+            return
+        if mask.device.type == "cpu" and not int(_padding_count(mask)):
             return  # (no padding: checked before the hook points, at every forward until warned)
         shape = tuple(mask.shape)
         stored = self.writer is not None
@@ -4118,7 +4120,8 @@ class Tracker:
         def say(n_pad: int) -> None:
             warn_at_caller(
                 f"forward {k} of the tracked model was given attention_mask= with padding ({n_pad} of {numel} "
-                f"positions are 0), but tracker.set_batch was given no attention_mask: {shown}, starting with its "
+                f"positions are {_padding_value(mask)}), but tracker.set_batch was given no attention_mask: {shown}, "
+                "starting with its "
                 f"(batch, pos) = {shape}, are {where} one row per sample with the padded positions inside. Give the "
                 "mask to tracker.set_batch(attention_mask=mask) before each forward to store one row per real "
                 "token, padding left out; or token_rows=False to keep each sample's padded sequence as one row "
@@ -4138,7 +4141,7 @@ class Tracker:
         if self._warned_model_mask:
             return
         if not _counts_padding_later(mask):
-            n_pad = int((mask == 0).sum())
+            n_pad = int(_padding_count(mask))
             if n_pad:
                 self._warned_model_mask = True
                 say(n_pad)
@@ -4783,12 +4786,35 @@ def _counts_padding_later(mask: torch.Tensor) -> bool:
     return mask.is_cuda
 
 
+def _padding_count(mask: torch.Tensor) -> torch.Tensor:
+    """The padded positions of the model's ``attention_mask``, an int64 0-dim tensor on its
+    device (no wait for the device): its 0 entries, of a bool or integer mask or of a
+    floating-point one of 0s and 1s (a Hugging Face mask cast to float); its negative entries,
+    of any other floating-point mask (additive: 0 at the real tokens, -inf or the dtype's
+    lowest value at the padding)."""
+    zero = mask == 0
+    if not mask.is_floating_point():
+        return zero.sum()
+    one = mask == 1
+    binary = (zero | one).all() & one.any()
+    return torch.where(binary, zero.sum(), (mask < 0).sum())
+
+
+def _padding_value(mask: torch.Tensor) -> str:
+    """What the padded positions of ``mask`` hold, as :func:`_padding_count` counts them, for a
+    warning: "negative" of an additive floating-point mask, else "0" (waits for its device)."""
+    if mask.is_floating_point() and not bool(((mask == 0) | (mask == 1)).all() & (mask == 1).any()):
+        return "negative"
+    return "0"
+
+
 def _count_zeros_later(mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The number of 0 positions of the CUDA tensor ``mask``, copied without waiting into a
-    pinned int64 host scalar, and a ``torch.cuda.Event`` recorded on the current stream after the
-    copy (read the scalar once the event's ``query()`` or ``synchronize()`` says it is done)."""
+    """The number of padded positions (:func:`_padding_count`) of the CUDA tensor ``mask``,
+    copied without waiting into a pinned int64 host scalar, and a ``torch.cuda.Event`` recorded
+    on the current stream after the copy (read the scalar once the event's ``query()`` or
+    ``synchronize()`` says it is done)."""
     count = torch.empty((), dtype=torch.int64, pin_memory=True)
-    count.copy_((mask == 0).sum(), non_blocking=True)
+    count.copy_(_padding_count(mask), non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(mask.device))
     return count, ready
