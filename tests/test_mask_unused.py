@@ -252,6 +252,29 @@ def test_a_float_mask_given_to_the_model_warns_of_its_padding_only(case, rows, t
             in mine[0]
 
 
+@pytest.mark.parametrize("batches", [(2, 4), (4, 2), (1, 4)])
+def test_default_rows_warn_of_padding_in_a_forward_of_another_batch_size_than_the_first(batches, tmp_path):
+    """The padded hook points were those whose first forward started with this forward's
+    (batch, pos): padding only in a forward of another batch size (the last, smaller batch; a
+    first forward of one sample) was stored without a word."""
+    first, later = batches
+    model = _MaskedEncoder()
+    padded = torch.ones(later, 6, dtype=torch.bool)
+    padded[later // 2:, 3:] = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr").track(model, include=["proj"]):
+            model(torch.randint(1, 50, (first, 6)), attention_mask=torch.ones(first, 6, dtype=torch.long))
+            model(torch.randint(1, 50, (later, 6)), attention_mask=padded)
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    n_pad = int((~padded).sum())
+    assert len(mine) == 1, mine
+    assert (f"forward 1 of the tracked model was given attention_mask= with padding ({n_pad} of {later * 6} positions "
+            "are 0)") in mine[0]
+    assert "'proj.output'" in mine[0] and f"(batch, pos) = ({later}, 6)" in mine[0]
+    assert acs.open_store(tmp_path / "run.zarr")["proj.output"].shape == (first + later, 6, 8)
+
+
 class _Device:
     """Stands for a CUDA device and its torch.cuda.Events: ``done`` forwards are finished, as
     the test sets it; an event of a later forward is not, until synchronize() waits for it."""

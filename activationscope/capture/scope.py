@@ -4096,8 +4096,8 @@ class Tracker:
         """Warn (once per capture) when ``rows="auto"`` stored or reduced a forward whose model
         was given an ``attention_mask`` with padding that ``set_batch`` did not describe: the hook
         points starting with its ``(batch, pos)`` keep one row per sample, ``(pos, ...)`` with the
-        padded positions inside, and their reductions count those positions (padding as
-        :func:`_padding_count` counts it)."""
+        padded positions inside, and their reductions count those positions (a hook point whose
+        first forward had another batch size too; padding as :func:`_padding_count` counts it)."""
         mask = self._model_mask
         if mask is None or self._warned_model_mask or mask.is_complex():
             return
@@ -4105,10 +4105,13 @@ class Tracker:
             return  # (no padding: checked before the hook points, at every forward until warned)
         shape = tuple(mask.shape)
         stored = self.writer is not None
+        # (a hook point of sample rows (batch, pos, ...): its pos is the mask's in every forward, its batch this
+        # forward's, whatever the first forward's was; not one shared by the batch, (1, pos, ...))
         padded = [n for n in self._sinks
                   if (stored or self._reduction_names.get(n))
                   and isinstance(self._first_shapes.get(n), tuple) and len(self._first_shapes[n]) >= 2
-                  and tuple(self._first_shapes[n][:2]) == shape
+                  and self._first_shapes[n][1] == shape[1]
+                  and (self._first_shapes[n][0] == shape[0] or n not in self._shared_rows)
                   and _token_rows_for(n, self._token_rows, self._hook_names) is not False]
         if not padded:
             return
