@@ -2037,7 +2037,8 @@ class StoreWriter:
         reads as rows of null ids), or parts that together hold another number of rows than
         the table's ``n_rows``. A resume keeps every listed part
         (it drops only unlisted ones, and recomputes none) and appends after them: it would mark
-        the store complete on a table whose rows no reader returns. One part in memory at a time.
+        the store complete on a table whose rows no reader returns. One part in memory at a time,
+        and none decoded whose footer says more rows than ``n_rows`` leaves (Parquet allocates by it).
 
         Raises
         ------
@@ -2077,6 +2078,10 @@ class StoreWriter:
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
                                        f"file ({e}){end}", fix=fix) from None
                 total += footer.num_rows
+                if total > int(tbl.get("n_rows", 0)):  # (before its columns are decoded: allocated by that count)
+                    raise V.corrupt(b, f"cannot resume: row table {kind!r}: its parts up to {key!r} hold {total} rows "
+                                       f"by their footers, but zarr.json says n_rows {tbl.get('n_rows', 0)}{end}",
+                                    fix=fix)
                 # its required columns (FORMAT.md section 4): a part without sample_id reads as null ids
                 problem = V.row_part_problem(schema, kind, by_rank)
                 if problem is None:  # (their nulls: the integer columns decoded, bounded as a reader reads them)

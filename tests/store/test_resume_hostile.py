@@ -424,6 +424,47 @@ def _small_part(rows: int) -> bytes:
     return buf.getvalue()
 
 
+def test_a_resume_refuses_a_part_whose_footer_says_more_rows_than_the_table_before_it_decodes_it(tmp_path,
+                                                                                                     monkeypatch):
+    """A part (no crc32c recorded) whose Parquet footer says, consistently with itself, that its
+    row group of 8 rows holds 2**24: the resume decoded its integer columns (pyarrow allocating
+    by that count, hundreds of MB) before it compared the parts' rows with n_rows. Now it
+    compares each part's count as it goes and refuses the store before decoding that part."""
+    import io
+    import json
+    import sys
+
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parquet_footer import lying_row_counts
+
+    target = tmp_path / "s.zarr"
+    options = _three_parts(target)
+    key = "rows/sample/part-000001.parquet"
+    doc = json.loads((target / "zarr.json").read_text())
+    del doc["attributes"]["activationscope"]["row_tables"]["sample"]["crc32c"][key]
+    (target / "zarr.json").write_text(json.dumps(doc))
+    sink = io.BytesIO()
+    pq.write_table(pq.read_table(target / key), sink)
+    big = 2**24
+    (target / key).write_bytes(lying_row_counts(sink.getvalue(), {0: big}, file_rows=big, values=True))
+    decoded = []
+    for name in ("read", "read_row_group"):
+        def spy(self, *args, _read=getattr(pq.ParquetFile, name), **kwargs):
+            decoded.append(name)
+            return _read(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    before = {k: (target / k).read_bytes() for k in ["zarr.json", key, "acts/x/manifest.json"]}
+    with pytest.raises(StoreCorruptError, match=rf"cannot resume: row table 'sample': its parts up to '{key}' hold "
+                                                rf"{big + 8} rows by their footers, but zarr\.json says n_rows 24.*nothing "
+                                                r"was deleted or written"):
+        StoreWriter(target, resume=True, **options)
+    assert len(decoded) == 1, decoded  # (part 0's integer columns only)
+    assert {k: (target / k).read_bytes() for k in before} == before
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "not parquet", "fewer rows"])
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_resume_refuses_a_damaged_row_table_part_before_it_writes(tmp_path, damage, where):
