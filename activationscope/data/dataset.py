@@ -9,6 +9,7 @@ a contiguous batch, one ``torch.index_select`` gather for a random one).
 
 from __future__ import annotations
 
+import copyreg
 import math
 import operator
 import os
@@ -1559,7 +1560,7 @@ class ActivationDataset(Dataset):
         )
 
 
-def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[Any, dict[str, Any]]]:
+def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[type], dict[str, Any]]:
     """How ``torch.multiprocessing`` sends a dataset to another process of this machine
     (``ForkingPickler``: the dataset of ``spawn`` and ``forkserver`` DataLoader workers, a
     ``Queue.put``): :meth:`ActivationDataset.__getstate__` plus the column values made when
@@ -1587,7 +1588,7 @@ def _reduce_for_processes(ds: ActivationDataset) -> tuple[Any, tuple[Any, dict[s
                 RuntimeWarning, stacklevel=2)
         cols = None
     state["_col_cache"] = cols
-    return _restore_dataset, (type(ds), state)
+    return copyreg.__newobj__, (type(ds),), state  # (restored as pickle restores the dataset's own state)
 
 
 #: Where torch.multiprocessing puts the tensors it shares (shm_open) on Linux.
@@ -1601,16 +1602,6 @@ def _shared_memory_free_bytes() -> int | None:
     except (OSError, AttributeError):
         return None
     return st.f_bavail * st.f_frsize
-
-
-def _restore_dataset(cls: type, state: dict[str, Any]) -> Any:
-    """A dataset sent by :func:`_reduce_for_processes`, as ``pickle`` would restore it."""
-    ds = cls.__new__(cls)
-    if hasattr(ds, "__setstate__"):
-        ds.__setstate__(state)
-    else:
-        ds.__dict__.update(state)
-    return ds
 
 
 ForkingPickler.register(ActivationDataset, _reduce_for_processes)
