@@ -1528,6 +1528,20 @@ def test_snapshot_copy_exact_for_sizes_and_alignments(numel, offset):
     assert recs[0].data_ptr() != x.data_ptr()
 
 
+def test_a_misspelt_store_option_names_the_option_meant(tmp_path):
+    # store_options={"overwrit": True} listed the thirteen options without pointing at the one
+    # meant, where a misspelt reduction or keyword of ActivationScope says "did you mean"
+    with pytest.raises(TypeError) as err:
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"overwrit": True})
+    msg = str(err.value)
+    assert msg.startswith("store_options has no option 'overwrit'; valid options are [") and msg.endswith(
+        "]; did you mean 'overwrite'?"), msg
+    with pytest.raises(TypeError) as err:
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"zzz": True})
+    assert "did you mean" not in str(err.value) and "valid options are [" in str(err.value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
 def test_bad_store_options_and_storage_dtype_are_named(tmp_path):
     with pytest.raises(TypeError, match="store_options has no option 'compresion'; valid options are .*'compression'"):
         acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"compresion": "zstd"})
