@@ -131,6 +131,30 @@ def test_readme_first_quick_start_uses_only_the_names_it_says_are_yours():
     assert [len(v) for v in env["acts"].values()] == [2]
 
 
+def test_every_activationscope_name_the_docs_and_the_command_line_give_exists():
+    # `activationscope.copy_store` was named by `activationscope copy --help` and cli.md but was
+    # only importable from activationscope.store; a name written that way must be reachable so
+    import importlib.util
+
+    texts = {p.relative_to(ROOT).as_posix(): p.read_text()
+             for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "activationscope" / "cli").glob("*.py"))]}
+    # keys of the store's root attribute and of an export's field metadata, written the same way
+    metadata_keys = {"arrays", "aliases", "dtype", "shape", "hook_point", "row_kind", "format"}
+    named = set()
+    for where, text in texts.items():
+        for m in re.finditer(r"(?<![\w.~])activationscope\.([A-Za-z_]\w*)\b(?![\[\w])", text):
+            if m.group(1) in metadata_keys:               # `activationscope.aliases` of the root attributes
+                continue
+            named.add((m.group(1), where))
+    assert ("copy_store", "docs/usage/cli.md") in named
+    missing = sorted((name, where) for name, where in named
+                     if not hasattr(acs, name) and importlib.util.find_spec(f"activationscope.{name}") is None)
+    assert not missing, missing
+    from activationscope.store import copy_store
+
+    assert acs.copy_store is copy_store and "copy_store" in acs.__all__
+
+
 def test_readme_lists_every_usage_page():
     readme = (ROOT / "README.md").read_text()
     docs = readme[readme.index("## Documentation"):]

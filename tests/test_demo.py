@@ -309,6 +309,25 @@ def test_a_demo_report_folder_that_cannot_be_written_is_refused_before_the_captu
     assert not out.exists() and not report.parent.joinpath("rep").exists()
 
 
+def test_the_demo_without_a_report_says_so_rather_than_timing_one():
+    # `activationscope demo --no-report` ended "..., probes 0.6 s, report 0.0 s": a report timed
+    # that was never written
+    from activationscope.analysis.demo import DemoResult, LayerRow
+
+    layers = [LayerRow(0, 10, 2, 3 * 2**20, None)]
+    result = DemoResult("s", None, layers, 2, 2, 1.0, 1.0, None, 6 * 2**20, 5, shard_bytes=6 * 2**20)
+    assert result.table().splitlines()[-1] == "2 samples (2 labelled), 6.0 MiB on disk; capture 1.0 s, probes 1.0 s, no report"
+
+
+@needs_demo
+@pytest.mark.demo
+def test_demo_no_report_prints_no_report_time(tmp_path, capsys):
+    code, out, err = _demo_cli(capsys, "--out", str(tmp_path / "d.zarr"))
+    assert code == 0, err
+    total = next(line for line in out.splitlines() if line.startswith("10 samples (10 labelled)"))
+    assert "no report" in total and "report 0" not in total, total
+
+
 def test_the_demo_total_says_which_part_is_what_info_calls_on_disk():
     # the demo ended "200 samples (200 labelled), 53.7 MiB on disk" where `activationscope info`
     # of the same store says "53.2 MiB on disk" (shard files): two sizes under one name

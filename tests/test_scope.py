@@ -191,6 +191,44 @@ def test_an_include_pattern_naming_a_hook_point_says_patterns_name_modules():
     assert "Patterns name modules" not in str(e.value)
 
 
+def test_an_include_pattern_naming_the_end_of_module_paths_names_the_whole_paths():
+    # include=["layer.3"] on a BERT-like model: "matches no module" with the first module names
+    # of the model and no hint that a pattern is matched against the whole path from the root
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.dense(x)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embeddings = torch.nn.Linear(4, 4)
+            self.encoder = torch.nn.Module()
+            self.encoder.layer = torch.nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x):
+            x = self.embeddings(x)
+            for block in self.encoder.layer:
+                x = block(x)
+            return x
+
+    model = Encoder()
+    for pattern, whole in (("layer.3", "['encoder.layer.3']"), ("layer.?.dense", "['encoder.layer.0.dense', "
+                                                                                   "'encoder.layer.1.dense', ...]")):
+        with pytest.raises(acs.HookPointNotFoundError) as e:
+            acs.ActivationScope().track(model, include=[pattern])
+        msg = str(e.value)
+        assert msg.startswith(f"include pattern {pattern!r} matches no module of Encoder"), msg
+        assert (f"a pattern is matched against the whole module path from the model's root: did you mean {whole}? "
+                f"('*.{pattern}' selects them)") in msg, msg
+    with pytest.raises(acs.HookPointNotFoundError) as e:  # nothing ends so: no such hint
+        acs.ActivationScope().track(model, include=["block.9"])
+    assert "whole module path" not in str(e.value)
+
+
 class _SharedLayers(torch.nn.Module):
     """One block registered three times (``nn.ModuleList([block] * 3)``, as ALBERT shares its
     layer) and the embedding under a second attribute: ``named_modules()`` lists each once."""
@@ -1526,6 +1564,20 @@ def test_snapshot_copy_exact_for_sizes_and_alignments(numel, offset):
     recs = tr.activations["0.output"]
     assert len(recs) == 2 and all(torch.equal(r, x) for r in recs)
     assert recs[0].data_ptr() != x.data_ptr()
+
+
+def test_a_misspelt_store_option_names_the_option_meant(tmp_path):
+    # store_options={"overwrit": True} listed the thirteen options without pointing at the one
+    # meant, where a misspelt reduction or keyword of ActivationScope says "did you mean"
+    with pytest.raises(TypeError) as err:
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"overwrit": True})
+    msg = str(err.value)
+    assert msg.startswith("store_options has no option 'overwrit'; valid options are [") and msg.endswith(
+        "]; did you mean 'overwrite'?"), msg
+    with pytest.raises(TypeError) as err:
+        acs.ActivationScope(store=str(tmp_path / "s.zarr"), store_options={"zzz": True})
+    assert "did you mean" not in str(err.value) and "valid options are [" in str(err.value)
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_bad_store_options_and_storage_dtype_are_named(tmp_path):

@@ -88,7 +88,8 @@ class DemoResult:
     n_labelled: int
     capture_s: float
     probe_s: float
-    report_s: float
+    #: seconds the report took; None when no report was written (``--no-report``)
+    report_s: float | None
     total_bytes: int
     n_folds: int
     #: bytes of the shard files of every hook point (``on disk`` of ``activationscope info``),
@@ -125,7 +126,8 @@ class DemoResult:
             f"{self.n_samples} samples ({self.n_labelled} labelled), {format_bytes(self.total_bytes)} on disk"
             + (f" ({format_bytes(self.shard_bytes)} of it shard files, the total of activationscope info)"
                if self.shard_bytes is not None and self.shard_bytes != self.total_bytes else "") + "; "
-            f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s, report {self.report_s:.1f} s"
+            f"capture {self.capture_s:.1f} s, probes {self.probe_s:.1f} s, "
+            + ("no report" if self.report_s is None else f"report {self.report_s:.1f} s")
             + (f"; chance accuracy {chance:.3f}" if chance is not None else "")
         )
         return "\n".join(out)
@@ -325,7 +327,8 @@ def run_demo(
 
     return DemoResult(
         store_path=out, report_path=report_path, layers=layers, n_samples=summary.n_samples,
-        n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s, report_s=time.perf_counter() - t0,
+        n_labelled=n_labelled, capture_s=summary.elapsed_s, probe_s=probe_s,
+        report_s=None if report_dir is None else time.perf_counter() - t0,
         total_bytes=dir_bytes(out) or total, n_folds=n_folds, shard_bytes=total,
     )
 

@@ -770,7 +770,14 @@ def _hook_point_hint(pattern: str, names: list[str], named: list[tuple[str, torc
             return (f". Patterns name modules, not hook points: include={module!r} records "
                     f"{pattern!r}" + (" (with capture='input' or 'both')" if side == ".input" else ""))
     close = _close_names(pattern, names)
-    return f"; did you mean {names_repr(close)}?" if close else ""
+    if close:
+        return f"; did you mean {names_repr(close)}?"
+    # the end of module paths ("layer.3" for "encoder.layer.3"): fnmatch matches the whole name
+    whole = pattern_hits(f"*.{pattern}", names) if pattern else []
+    if whole:
+        return (f"; a pattern is matched against the whole module path from the model's root: did you mean "
+                f"{names_repr(whole, 2)}? ('*.{pattern}' selects them)")
+    return ""
 
 
 def _close_names(pattern: str, names: list[str], n: int = 3) -> list[str]:

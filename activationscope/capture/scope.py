@@ -240,11 +240,15 @@ def _refuse_unknown_keywords(unknown: Mapping[str, Any], store_options: Any) -> 
 
 
 def _check_store_options(options: Mapping[str, Any]) -> None:
+    import difflib
+
     valid = writer_options()
     for key in options:
         if key not in valid:
             hint = "; storage_dtype is an argument of ActivationScope itself" if key == "storage_dtype" else ""
-            raise ArgumentTypeError(f"store_options has no option {key!r}; valid options are {valid}{hint}")
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6) if isinstance(key, str) else []
+            meant = f"; did you mean {close[0]!r}?" if close else ""
+            raise ArgumentTypeError(f"store_options has no option {key!r}; valid options are {valid}{meant}{hint}")
     check_writer_options(options)  # their values, before a model runs
 
 

@@ -801,7 +801,7 @@ class ActivationDataset(Dataset):
         self.hook_points = self._select_hook_points(hook_points)
         self.row_kind = self.source.row_kind(self.hook_points[0])
         self.n_store_rows = self.source.n_rows(self.hook_points[0])
-        self._check_consistent()
+        self._check_consistent(hook_points_given=hook_points is not None)
         self.columns = _names(columns, "columns", "row-table column names") if columns is not None else []
         # the per-sample columns read from token rows (None: any, as a filter sees every column)
         self._columns_read: list[str] | None = None if filter is not None else self.columns
@@ -835,13 +835,19 @@ class ActivationDataset(Dataset):
     def _select_hook_points(self, hook_points: Any) -> list[str]:
         return select_hook_points(self.source, hook_points)
 
-    def _check_consistent(self) -> None:
+    def _check_consistent(self, hook_points_given: bool = True) -> None:
         kinds = {hp: self.source.row_kind(hp) for hp in self.hook_points}
         if len(set(kinds.values())) > 1:
+            by_kind: dict[str, list[str]] = {}
+            for hp, k in kinds.items():
+                by_kind.setdefault(k, []).append(hp)
+            default = ("" if hook_points_given else
+                       "; hook_points= was not given, so every hook point of the store was taken")
             raise ArgumentValueError(
                 "hook points of one ActivationDataset must have the same row kind, got "
                 + ", ".join(f"{hp!r}: {k}" for hp, k in kinds.items())
-                + "; make one dataset per row kind"
+                + default + "; make one dataset per row kind: "
+                + " or ".join(f"hook_points={hps!r} ({k} rows)" for k, hps in by_kind.items())
             )
         lost = [hp for hp in self.hook_points if not self.source.follows_row_table(hp)]
         if lost and len(self.hook_points) > 1:

@@ -693,7 +693,9 @@ def check_same_model(target: str, state: Mapping[str, Any], model: dict | None) 
     same_shape = (record.get("class") == model.get("class") and record.get("n_elements") is not None
                   and record.get("n_elements") == model.get("n_elements"))
     hint = (" (the same class and number of weights: other weights, or the same weights in another dtype, as "
-            "after model.to(torch.bfloat16) or model.half(); resume with the model in its dtype of the first run)"
+            "after model.to(torch.bfloat16) or model.half(); resume with the model in its dtype of the first run. "
+            "A store records the weights as they were when the store was opened: after optimizer steps of a capture "
+            "during training the model's weights are other ones, so capture the rest of such a run into a new store)"
             if same_shape else "")
     raise StoreError(
         f"cannot resume {target!r} (status {state.get('status')!r}, {int(state.get('n_samples', 0))} samples): it "

@@ -187,6 +187,28 @@ def test_errors_name_the_problem(tmp_path, arrays):
         ActivationDataset(store, hook_points=["tok"], filter=lambda t: np.ones(3, bool))
 
 
+def test_a_dataset_without_hook_points_of_a_store_of_both_row_kinds_says_hook_points_was_not_given(tmp_path):
+    # ActivationDataset(path) of a store holding token and pooled sample rows: the refusal listed
+    # every hook point with its kind and did not say that hook_points= had been left out
+    path = write_fake_store(
+        tmp_path / "mixed",
+        {"tok": torch.zeros(8, 2), "tok2": torch.zeros(8, 2), "sam": torch.zeros(2, 2)},
+        kinds={"tok": "token", "tok2": "token"},
+        tables={"token": _rows_table(8, "token"), "sample": _rows_table(2, "sample")},
+    )
+    store = FakeStore(path)
+    with pytest.raises(ArgumentValueError) as err:
+        ActivationDataset(store)
+    msg = str(err.value)
+    assert re.search("same row kind.*'tok': token.*'sam': sample", msg), msg
+    assert "hook_points= was not given, so every hook point of the store was taken" in msg
+    assert "hook_points=['tok', 'tok2'] (token rows) or hook_points=['sam'] (sample rows)" in msg
+    # given explicitly: the choice was the caller's, nothing said about a default
+    with pytest.raises(ArgumentValueError) as err:
+        ActivationDataset(store, hook_points=["tok", "sam"])
+    assert "was not given" not in str(err.value) and "hook_points=['tok'] (token rows)" in str(err.value)
+
+
 def test_a_bracket_pattern_of_hook_points_that_selects_other_hook_points_says_so(tmp_path):
     """hook_points=['d.a[1].*'] meant the hook points below the key 'a[1]', but fnmatch read
     '[1]' as one of '1': the dataset read d.a1's rows without a word, or the no-match error

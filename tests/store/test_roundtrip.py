@@ -333,6 +333,30 @@ def test_model_identity_is_the_sha256_of_the_state_dict_at_the_open(tmp_path, wi
     assert open_store(path).n_samples == 9
 
 
+def test_a_resume_after_optimizer_steps_is_refused_naming_the_weights_of_the_open(tmp_path):
+    # a capture during training killed after some steps: the model's weights are no longer those
+    # the store recorded, and the refusal gave two hashes and a guess about dtypes only
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    path = tmp_path / "s.zarr"
+    with pytest.raises(KeyboardInterrupt):
+        with acs.ActivationScope(store=str(path)).track(net, include=["1"]):
+            for _ in range(3):
+                net(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            raise KeyboardInterrupt
+    assert open_store(path).status == "incomplete"
+    with pytest.raises(StoreError) as err:
+        with acs.ActivationScope(store=str(path), store_options={"resume": True}).track(net, include=["1"]):
+            pass
+    msg = str(err.value)
+    assert "cannot resume" in msg and "nothing was changed" in msg
+    assert "weights as they were when the store was opened" in msg and "optimizer steps" in msg
+    assert "a new store" in msg
+
+
 def test_an_eval_model_is_hashed_in_the_background_and_recorded_by_the_first_commit(tmp_path):
     """In eval mode (inference captures) the sha256 is taken while the first forwards run: the
     root written at the open may lack it, every root that lists rows has it; weights changed
