@@ -123,7 +123,7 @@ class ScriptReduction : public Reduction {
       // The accumulator before this batch, when the checkpoint holds it too (the capture's
       // state before this forward): its memory is kept until the next checkpoint anyway, and
       // then takes the next forward's copy (copy_acc) instead of a new allocation.
-      spare_ = copy && kept.defined() && saved_acc_.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
+      spare_ = copy && kept.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
     } catch (...) {
       acc_ = kept;
       throw;

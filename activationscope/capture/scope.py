@@ -3093,15 +3093,19 @@ class Tracker:
         filled by hand) is looked at too. False means none was: a few C-level passes over the
         tracked modules (about 20 us at 500 modules, where comparing every hook set costs about
         150 us); True means :meth:`_probe_new_hooks` compares the hook sets."""
-        since = self._hook_id_seen
         modules, counts = self._hook_counts
-        global_hooks = torch.nn.modules.module._global_forward_hooks
-        dicts = list(map(_FORWARD_HOOKS, modules))  # (a dict put in place of a module's own too)
-        try:
-            return (max(global_hooks, default=-1) >= since or list(map(len, dicts)) != counts
-                    or max(map(max, filter(None, dicts)), default=-1) >= since)
+        try:  # (a dict put in place of a module's own too)
+            return list(map(len, map(_FORWARD_HOOKS, modules))) != counts or self._hooks_since(self._hook_id_seen)
         except TypeError:  # a key that is not a handle id (put there by hand): compare the sets
             return True
+
+    def _hooks_since(self, since: int) -> bool:
+        """Whether a tracked module (of :meth:`_note_forward_hooks`), or the global forward
+        hooks, hold a forward hook registered since torch's hook counter was ``since`` (handle
+        ids only grow). TypeError: a hook dict holds a key that is not a handle id."""
+        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        return (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
+                or max(map(max, filter(None, dicts)), default=-1) >= since)
 
     def _probe_new_hooks(self) -> None:
         """At the start of a captured forward after the first, when a hook was registered since
@@ -3132,13 +3136,10 @@ class Tracker:
         since = self._hook_id_at_start
         if self._hooks_added_in is not None or self._hooks_seen is None or _RemovableHandle.next_id == since:
             return
-        # (torch's handle ids only grow: a hook of a handle made during this forward has an id of
-        # at least the counter at its start; one put into a hook dict by hand is not told apart
-        # from one added between forwards)
-        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        # (a hook of a handle made during this forward has an id of at least the counter at its
+        # start; one put into a hook dict by hand is not told apart from one added between forwards)
         try:
-            added = (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
-                     or max(map(max, filter(None, dicts)), default=-1) >= since)
+            added = self._hooks_since(since)
         except TypeError:  # a key that is not a handle id (put there by hand)
             added = False
         if added:
@@ -3844,7 +3845,7 @@ class Tracker:
         its two sequences, checked against the hook points stored as token rows."""
         if self.scope.rows == "token":
             self._note_model_mask(args, kwargs)
-        elif self._mask_arg_index is not None or self._notes_padding:
+        elif self._notes_padding:  # (set with _mask_arg_index)
             self._note_padding_mask(args, kwargs)
         if self._seq2seq:
             self._note_sequences(args, kwargs)
