@@ -56,7 +56,7 @@ class ScriptReduction : public Reduction {
     // The accumulator as it was: put back when this batch fails (the function raises, writes
     // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
     // an accumulator, works on a copy, so that what is put back is untouched. One whose program
-    // never writes into acc (may_write_acc) is given the accumulator itself, shared or not: the
+    // writes into nothing (may_write_acc) is given the accumulator itself, shared or not: the
     // handles the checkpoint, `kept` and the caller hold stay as they are, so a forward copies
     // nothing (its checkpoint is a handle, not a copy of the state).
     const bool copy = in_place_ || (writes_acc_ && (!seen_ || acc_needs_copy()));  // (before `kept` shares it)
@@ -123,7 +123,7 @@ class ScriptReduction : public Reduction {
       // The accumulator before this batch, when the checkpoint holds it too (the capture's
       // state before this forward): its memory is kept until the next checkpoint anyway, and
       // then takes the next forward's copy (copy_acc) instead of a new allocation.
-      spare_ = copy && kept.defined() && saved_acc_.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
+      spare_ = copy && kept.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
     } catch (...) {
       acc_ = kept;
       throw;
@@ -304,18 +304,29 @@ class ScriptReduction : public Reduction {
            spare.sizes() == acc.sizes() && spare.strides() == acc.strides() && spare.storage_offset() == 0 &&
            acc.is_non_overlapping_and_dense();
   }
-  // Whether the program of `forward` may write into its acc argument (`acc += ...`, `acc.add_`,
-  // a view of it written into, a call it is passed to), by TorchScript's alias analysis, which
-  // answers yes where it cannot tell. No means the function only reads acc.
+  // Whether the program of `forward` may write into its acc argument: whether it writes into
+  // anything at all (`acc += ...`, an in-place op on any tensor, a call that may write), by
+  // TorchScript's alias analysis, which answers yes where it cannot tell. Its answer for acc
+  // alone is not enough: it misses writes into acc reached through a loop that carries acc to
+  // the next iteration, or through a List[Any] holding it. No means the function only reads.
   static bool may_write_acc(const torch::jit::Method& forward) {
     try {
       std::shared_ptr<torch::jit::Graph> graph = forward.graph();
-      if (graph->inputs().size() < 2) return true;
       torch::jit::AliasDb db(graph);
-      return db.hasWriters(graph->inputs()[1]);
+      return writes(db, graph->block());
     } catch (const std::exception&) {
       return true;
     }
+  }
+  static bool writes(const torch::jit::AliasDb& db, torch::jit::Block* block) {
+    for (torch::jit::Node* n : block->nodes()) {
+      // (a fork's program is a graph of its own)
+      if (n->hasAttribute(torch::jit::attr::Subgraph) || db.isMutable(n)) return true;
+      for (torch::jit::Block* b : n->blocks()) {
+        if (writes(db, b)) return true;
+      }
+    }
+    return false;
   }
   void own_acc() {
     if (acc_needs_copy()) copy_acc();

@@ -8,6 +8,7 @@ device left at ``cuda:0`` where there are two), against a float64 reference on t
 from __future__ import annotations
 
 import warnings
+from typing import Any, List, Optional
 
 import pytest
 import torch
@@ -437,3 +438,58 @@ def test_a_custom_reduction_allocates_no_copy_of_its_accumulator_per_forward(tmp
             want = want + model[0](x).sum(0)
     store = open_store(tmp_path / "s.zarr")
     torch.testing.assert_close(store.reductions["0.output"]["s"], want, rtol=0, atol=0)
+
+
+def _sum_through_a_loop(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Sum of the rows per feature, float64, added into acc in place by a loop that carries acc
+    to the next iteration's write (TorchScript's alias analysis does not see that write)."""
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    target = s
+    for i in range(2):
+        if i == 1:
+            target.add_(s)
+        target = acc
+    return acc.clone()
+
+
+def _sum_through_a_list_of_any(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """:func:`_sum_through_a_loop` writing into acc taken out of a List[Any] (unseen as well)."""
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    held: List[Any] = [acc, 0]
+    a = held[0]
+    if isinstance(a, torch.Tensor):
+        a.add_(s)
+    return acc.clone()
+
+
+@pytest.mark.parametrize("fn", [_sum_through_a_loop, _sum_through_a_list_of_any], ids=["loop", "list-of-any"])
+def test_a_custom_reduction_writing_into_acc_unseen_by_alias_analysis_leaves_out_a_raised_forward(tmp_path, fn):
+    """A TorchScript reduction whose program was said never to write into acc is given the
+    accumulator itself, which the capture's state before each forward shares. TorchScript's alias
+    analysis misses some writes into acc (a loop carrying it to the next iteration, a List[Any]
+    holding it): the last forward, which raised after the function updated acc in place, stayed
+    in the store's reduction and the caller's init= changed. Now only a program that writes into
+    nothing at all is given the accumulator itself."""
+    torch.manual_seed(0)
+    model = _RaisesAfterTwo().eval()
+    xs = [torch.randn(n, 3) for n in (4, 5, 6, 7)]
+    init = torch.full((4,), 100.0, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript deprecation; the warning of the raised forward)
+        scope = acs.ActivationScope(store=str(tmp_path / "s.zarr"), reduction_policy=STREAMING,
+                                    reductions={"a.output": [("s", fn, {"init": init})]})
+        with torch.inference_mode(), scope.track(model):  # (no version counter to see the write by)
+            for x in xs[:3]:
+                model(x)
+            model.error = RuntimeError
+            with pytest.raises(RuntimeError, match="cut short"):
+                model(xs[3])  # (after a.output reduced its rows)
+            model.error = None
+    with torch.no_grad():
+        want = 100.0 + torch.cat([model.a(x) for x in xs[:3]]).double().sum(0)
+    torch.testing.assert_close(open_store(tmp_path / "s.zarr").reductions["a.output"]["s"], want)
+    assert init.tolist() == [100.0] * 4

@@ -2228,6 +2228,41 @@ def test_a_forward_hook_added_during_a_forward_is_named_with_that_forward(when):
                                        rtol=0, atol=0)
 
 
+def test_a_forward_hook_added_during_a_forward_that_raised_is_named_with_that_forward():
+    """A forward hook the model registers during forward 1, which then raises (caught, the
+    capture going on), changes the output its records of that forward hold too: the warning said
+    the hook was added after the first captured forward, rows affected from forward 2 on (the end
+    of forward 1, which notes hooks added during it, never ran). It now names forward 1, and
+    that the hook may have been added after it, before forward 2."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(HookAdder(lin, 1), lin, _RaisesOnCall({2}), torch.nn.Identity()).eval()
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with acs.ActivationScope().track(model) as tr, torch.no_grad():
+                for i, x in enumerate(xs):
+                    if i == 1:
+                        with pytest.raises(RuntimeError, match="bad batch"):
+                            model(x)
+                    else:
+                        model(x)
+    finally:
+        if model[0].handle is not None:
+            model[0].handle.remove()
+    messages = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)
+                and "forward hooks" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert re.search(r"forward hooks of the tracked modules '1' \(hook points '1.output'\) replaced or changed "
+                     r"their output in forward 2 \(they were added during forward 1, which raised, or after it, "
+                     r".*the rows captured there from forward 1 on may hold the output before them\)", messages[0])
+    with torch.no_grad():  # plain PyTorch: the output before the hook, in every forward's record
+        for i, x in enumerate(xs):
+            before = torch.nn.functional.linear(x + 1, lin.weight, lin.bias)
+            torch.testing.assert_close(tr.activations["1.output"][i], before, rtol=0, atol=0)
+
+
 def test_a_forward_hook_added_before_forwards_the_policy_skips_is_named_at_the_next_captured_one():
     """A forward hook added to a tracked module before a forward that the capture policy skips
     is named at the next captured forward (the skipped forward used to note torch's hook counter

@@ -1045,11 +1045,12 @@ class Tracker:
         self._hook_id_seen = -1
         self._hooks_later = False
         # the forward during which forward hooks were added to tracked modules (seen at its end,
-        # :meth:`_note_hooks_added`), and the one the warning of _hooks_later names (None: added
-        # between forwards)
-        self._hooks_added_in: int | None = None
+        # :meth:`_note_hooks_added`, or at the next start for one that raised, when they may have
+        # been added after it), and the one the warning of _hooks_later names (None: added
+        # between forwards): (forward, whether it raised)
+        self._hooks_added_in: tuple[int, bool] | None = None
         self._hook_id_at_start = -1  # torch's hook counter at the start of the forward running
-        self._hooks_later_added_in: int | None = None
+        self._hooks_later_added_in: tuple[int, bool] | None = None
         self._hook_warned: set[str] = set()
         self._refused: str | None = None
         self._refused_error: type[ActivationScopeError] = CaptureError  # raised again at the close
@@ -3004,6 +3005,7 @@ class Tracker:
         if not self._dropouts_probed and self._core.capturing:
             self._probe_dropouts()
         if self._open_forward is not None:
+            self._note_hooks_added(raised=True)  # (its end did not run)
             self._forward_raised()
         if self._pending_batch is not None:
             # refused before any module of this forward records a row (the end of the forward
@@ -3097,15 +3099,19 @@ class Tracker:
         filled by hand) is looked at too. False means none was: a few C-level passes over the
         tracked modules (about 20 us at 500 modules, where comparing every hook set costs about
         150 us); True means :meth:`_probe_new_hooks` compares the hook sets."""
-        since = self._hook_id_seen
         modules, counts = self._hook_counts
-        global_hooks = torch.nn.modules.module._global_forward_hooks
-        dicts = list(map(_FORWARD_HOOKS, modules))  # (a dict put in place of a module's own too)
-        try:
-            return (max(global_hooks, default=-1) >= since or list(map(len, dicts)) != counts
-                    or max(map(max, filter(None, dicts)), default=-1) >= since)
+        try:  # (a dict put in place of a module's own too)
+            return list(map(len, map(_FORWARD_HOOKS, modules))) != counts or self._hooks_since(self._hook_id_seen)
         except TypeError:  # a key that is not a handle id (put there by hand): compare the sets
             return True
+
+    def _hooks_since(self, since: int) -> bool:
+        """Whether a tracked module (of :meth:`_note_forward_hooks`), or the global forward
+        hooks, hold a forward hook registered since torch's hook counter was ``since`` (handle
+        ids only grow). TypeError: a hook dict holds a key that is not a handle id."""
+        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        return (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
+                or max(map(max, filter(None, dicts)), default=-1) >= since)
 
     def _probe_new_hooks(self) -> None:
         """At the start of a captured forward after the first, when a hook was registered since
@@ -3126,27 +3132,26 @@ class Tracker:
         self._hooks_later_added_in = self._hooks_added_in
         self._add_hook_probes(only)
 
-    def _note_hooks_added(self) -> None:
+    def _note_hooks_added(self, raised: bool = False) -> None:
         """At the end of a forward: note it in ``_hooks_added_in`` when forward hooks were
         added to tracked modules (or global ones) during it, by the model or a hook (the
         earliest such forward until the next captured one probes them): its rows, not only
         those of the forwards after it, may hold outputs before such a hook, and the warning of
         the next captured forward says so. One comparison of torch's hook counter unless a
-        hook handle was created since the start of the forward."""
+        hook handle was created since the start of the forward. ``raised``: at the start of the
+        forward after a captured one that raised (``_open_forward``), whose end did not run; a
+        hook added since its start may have been added after it."""
         since = self._hook_id_at_start
         if self._hooks_added_in is not None or self._hooks_seen is None or _RemovableHandle.next_id == since:
             return
-        # (torch's handle ids only grow: a hook of a handle made during this forward has an id of
-        # at least the counter at its start; one put into a hook dict by hand is not told apart
-        # from one added between forwards)
-        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        # (a hook of a handle made during this forward has an id of at least the counter at its
+        # start; one put into a hook dict by hand is not told apart from one added between forwards)
         try:
-            added = (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
-                     or max(map(max, filter(None, dicts)), default=-1) >= since)
+            added = self._hooks_since(since)
         except TypeError:  # a key that is not a handle id (put there by hand)
             added = False
         if added:
-            self._hooks_added_in = self._core.n_forwards - 1
+            self._hooks_added_in = (self._open_forward if raised else self._core.n_forwards - 1, raised)
 
     def _remove_hook_probes(self) -> None:
         while self._hook_probes:
@@ -3169,9 +3174,10 @@ class Tracker:
                       if points else "")
             when = (f"forward {self._core.n_forwards - 1} (they were added after the first captured forward, and "
                     "the rows captured there from this forward on hold the output before them)") if added_in is None \
-                else (f"forward {self._core.n_forwards - 1} (they were added during forward {added_in}, after the "
-                      f"first captured forward's hooks were looked at, and the rows captured there from forward "
-                      f"{added_in} on may hold the output before them)")
+                else (f"forward {self._core.n_forwards - 1} (they were added during forward {added_in[0]}"
+                      f"{', which raised, or after it' if added_in[1] else ''}, after the first captured forward's "
+                      f"hooks were looked at, and the rows captured there from forward {added_in[0]} on may hold the "
+                      "output before them)")
         else:
             when = "the first captured forward"
         warn_at_caller(
@@ -3848,7 +3854,7 @@ class Tracker:
         its two sequences, checked against the hook points stored as token rows."""
         if self.scope.rows == "token":
             self._note_model_mask(args, kwargs)
-        elif self._mask_arg_index is not None or self._notes_padding:
+        elif self._notes_padding:  # (set with _mask_arg_index)
             self._note_padding_mask(args, kwargs)
         if self._seq2seq:
             self._note_sequences(args, kwargs)
