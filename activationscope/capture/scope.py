@@ -4808,17 +4808,20 @@ def _padding_count(mask: torch.Tensor) -> torch.Tensor:
     zero = mask == 0
     if not mask.is_floating_point():
         return zero.sum()
+    return torch.where(_is_binary(mask), zero.sum(), (mask < 0).sum())
+
+
+def _is_binary(mask: torch.Tensor) -> torch.Tensor:
+    """Whether the floating-point ``mask`` holds 0s and 1s only, one 1 at least (a 0 / 1 mask,
+    not an additive one), as a bool 0-dim tensor on its device (no wait for the device)."""
     one = mask == 1
-    binary = (zero | one).all() & one.any()
-    return torch.where(binary, zero.sum(), (mask < 0).sum())
+    return ((mask == 0) | one).all() & one.any()
 
 
 def _padding_value(mask: torch.Tensor) -> str:
     """What the padded positions of ``mask`` hold, as :func:`_padding_count` counts them, for a
     warning: "negative" of an additive floating-point mask, else "0" (waits for its device)."""
-    if mask.is_floating_point() and not bool(((mask == 0) | (mask == 1)).all() & (mask == 1).any()):
-        return "negative"
-    return "0"
+    return "negative" if mask.is_floating_point() and not bool(_is_binary(mask)) else "0"
 
 
 def _count_zeros_later(mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
