@@ -161,3 +161,18 @@ def lying_row_counts(data: bytes, groups: dict[int, int], file_rows: int | None 
     if file_rows is not None:
         field(meta, 3)[2] = file_rows
     return with_footer(data, meta)
+
+
+def spy_decodes(monkeypatch) -> list[str]:
+    """The list that every later ``pyarrow.parquet.ParquetFile.read`` / ``read_row_group`` call
+    (a decode of a part's values) appends its method's name to."""
+    import pyarrow.parquet as pq
+
+    decoded: list[str] = []
+    for name in ("read", "read_row_group"):
+        def spy(self, *args, _read=getattr(pq.ParquetFile, name), _name=name, **kwargs):
+            decoded.append(_name)
+            return _read(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    return decoded

@@ -437,7 +437,7 @@ def test_a_resume_refuses_a_part_whose_footer_says_more_rows_than_the_table_befo
     import pyarrow.parquet as pq
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from parquet_footer import lying_row_counts
+    from parquet_footer import lying_row_counts, spy_decodes
 
     target = tmp_path / "s.zarr"
     options = _three_parts(target)
@@ -449,13 +449,7 @@ def test_a_resume_refuses_a_part_whose_footer_says_more_rows_than_the_table_befo
     pq.write_table(pq.read_table(target / key), sink)
     big = 2**24
     (target / key).write_bytes(lying_row_counts(sink.getvalue(), {0: big}, file_rows=big, values=True))
-    decoded = []
-    for name in ("read", "read_row_group"):
-        def spy(self, *args, _read=getattr(pq.ParquetFile, name), **kwargs):
-            decoded.append(name)
-            return _read(self, *args, **kwargs)
-
-        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    decoded = spy_decodes(monkeypatch)
     before = {k: (target / k).read_bytes() for k in ["zarr.json", key, "acts/x/manifest.json"]}
     with pytest.raises(StoreCorruptError, match=rf"cannot resume: row table 'sample': its parts up to '{key}' hold "
                                                 rf"{big + 8} rows by their footers, but zarr\.json says n_rows 24.*nothing "

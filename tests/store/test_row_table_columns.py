@@ -311,7 +311,7 @@ def test_a_part_whose_footer_lies_about_its_row_counts_is_refused_before_it_is_d
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from parquet_footer import lying_row_counts
+    from parquet_footer import lying_row_counts, spy_decodes
 
     path = tmp_path / "s.zarr"
     _store(path)
@@ -333,13 +333,7 @@ def test_a_part_whose_footer_lies_about_its_row_counts_is_refused_before_it_is_d
                                                                                "parts, but the metadata says n_rows 10"),
     }[lie]
     assert _put_part(path, "token", 0, bad) == key
-    decoded = []
-    for name in ("read", "read_row_group"):
-        def spy(self, *args, _read=getattr(pq.ParquetFile, name), **kwargs):
-            decoded.append(name)
-            return _read(self, *args, **kwargs)
-
-        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    decoded = spy_decodes(monkeypatch)
     with pytest.raises(StoreCorruptError, match=said):
         open_store(path).row_table("token", columns=columns)
     if lie != "too few":
