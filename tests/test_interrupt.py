@@ -526,11 +526,16 @@ def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp
     assert w.remove_if_unused() and not path.exists()
 
 
-def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", [("close", "self._finish_delete()"), ("finish", "self._thread.join()")],
+                         ids=["before", "waiting"])
+def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch,
+                                                                                         where):
     # a Ctrl-C in StoreWriter.close of an overwrite=True while it waited for the background delete
     # of the old store: the close released the lock and left that delete running, and the close
     # called again did nothing, so the folder aside (.<name>.replaced-<hex>) was still there after
-    # it. Now the close called again waits for that delete, as an uninterrupted close does
+    # it. Now the close called again waits for that delete, as an uninterrupted close does; also
+    # where the Ctrl-C came as the close waited (the writer had let go of that delete as the
+    # wait began)
     import threading
 
     from acs_testing import hold_aside_delete
@@ -547,7 +552,7 @@ def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_clo
         w.open_array("x", (4,), torch.float32, "sample").append(data)
         w.add_batch(8)
         if overwrite:
-            at = _InterruptAtLine(W.__file__, "close", "self._finish_delete()", 1)
+            at = _InterruptAtLine(W.__file__, *where, 1)
             with pytest.raises(KeyboardInterrupt), at:
                 w.close()
             assert at.raised and started.wait(30)

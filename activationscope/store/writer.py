@@ -3668,14 +3668,18 @@ class StoreWriter:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
         replaced, started by the commit that settled it (:class:`_AsideDelete`), so that a closed
         writer leaves no ``.<name>.replaced-<hex>`` folder. The same for the delete of what an
-        earlier writer's delete left (:meth:`_warn_left_aside`)."""
-        deleting, self._deleting = self._deleting, []
+        earlier writer's delete left (:meth:`_warn_left_aside`). Each stays listed until its wait
+        is over: a Ctrl-C as it waits leaves it (and those after it) to the close called again."""
         raised: list[BaseException] = []
-        for d in deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+        while self._deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+            d = self._deleting[0]
             try:
                 d.finish(str(self._backend))
+            except KeyboardInterrupt:
+                raise
             except BaseException as e:  # noqa: BLE001 - raised below, once every delete is done
                 raised.append(e)
+            del self._deleting[0]
         if raised:
             raise raised[0]
 
