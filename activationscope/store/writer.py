@@ -1281,6 +1281,7 @@ class StoreWriter:
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             self._aside_cleared = False  # its put-back removed the new store's files (_settle_aside)
+            self._aside_deleted = False  # its delete began (_settle_aside): never put back
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
             # cut-short delete of an earlier overwrite left (_warn_left_aside): each waited for by the close
             self._deleting: list[_AsideDelete] = []
@@ -3637,20 +3638,23 @@ class StoreWriter:
 
     def _settle_aside(self, keep_new: bool) -> None:
         """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
-        of the new one (which committed nothing). A put-back cut short by a Ctrl-C is finished
-        when called again (``_aside`` is kept until it is done): the new store's files are
-        removed once, then the old ones still aside moved back."""
+        of the new one (which committed nothing). Cut short by a Ctrl-C, it is finished when
+        called again (``_aside`` is kept until it is done): a delete begun is begun again (never
+        a put-back: the old store's root document may be gone); of a put-back, the new store's
+        files are removed once, then the old ones still aside moved back."""
         aside = self._aside
         if aside is None:
             return
-        if keep_new:  # (its root document first: a deletion cut short leaves no store there)
-            self._aside = None
+        if keep_new or self._aside_deleted:  # (its root document first: a delete cut short leaves no store there)
+            self._aside_deleted = True
             try:
                 (aside / "zarr.json").unlink()
             except OSError:
                 pass
             # the rest off this thread: the commit returns at once; close() and abort() wait for it
-            self._deleting.append(_AsideDelete(aside))
+            if all(d.aside != aside for d in self._deleting):  # (begun once)
+                self._deleting.append(_AsideDelete(aside))
+            self._aside = None
             return
         try:
             if not self._aside_cleared:  # (once only: the entries moved back since are the old store's)
