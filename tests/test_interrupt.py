@@ -526,16 +526,17 @@ def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp
     assert w.remove_if_unused() and not path.exists()
 
 
+@pytest.mark.parametrize("again", ["close", "abort"])
 @pytest.mark.parametrize("where", [("close", "self._finish_delete()"), ("finish", "self._thread.join()")],
                          ids=["before", "waiting"])
 def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch,
-                                                                                         where):
+                                                                                         where, again):
     # a Ctrl-C in StoreWriter.close of an overwrite=True while it waited for the background delete
     # of the old store: the close released the lock and left that delete running, and the close
     # called again did nothing, so the folder aside (.<name>.replaced-<hex>) was still there after
     # it. Now the close called again waits for that delete, as an uninterrupted close does; also
     # where the Ctrl-C came as the close waited (the writer had let go of that delete as the
-    # wait began)
+    # wait began), and an abort called instead waits for it too
     import threading
 
     from acs_testing import hold_aside_delete
@@ -557,7 +558,7 @@ def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_clo
                 w.close()
             assert at.raised and started.wait(30)
             threading.Timer(0.5, go.set).start()  # (the delete ends after this: the close waits for it)
-        w.close()
+        (getattr(w, again) if overwrite else w.close)()
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
     assert torch.equal(acs.open_store(path)["x"], data)
 

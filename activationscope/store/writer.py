@@ -4746,7 +4746,9 @@ class StoreWriter:
         one the caller sees). Called again after a close, abort or discard cut short by a
         Ctrl-C before it released the lock, it finishes that one as :meth:`close` does, but
         commits nothing more: a close cut short before its commit is given up, the store left
-        at its last commit (status ``incomplete``, ``resume=True`` continues it).
+        at its last commit (status ``incomplete``, ``resume=True`` continues it). Called after
+        a close cut short as it waited for the delete of the store ``overwrite=True`` replaced,
+        it waits for that delete, as :meth:`close` does.
 
         Parameters
         ----------
@@ -4823,13 +4825,16 @@ class StoreWriter:
                     pass
 
     def _settle_interrupted_quietly(self) -> None:
-        """:meth:`_settle_interrupted` where one is due (``_settling``), for :meth:`abort` and
-        :meth:`discard`, which never raise."""
-        if self._settling:  # a close, abort or discard interrupted before it let go of the lock
-            try:
+        """:meth:`_settle_interrupted` where one is due (``_settling``), else the wait for the
+        delete of the store ``overwrite=True`` replaced that a Ctrl-C cut short (as
+        :meth:`close` called again), for :meth:`abort` and :meth:`discard`, which never raise."""
+        try:
+            if self._settling:  # a close, abort or discard interrupted before it let go of the lock
                 self._settle_interrupted()
-            except BaseException:  # noqa: BLE001 - never raises
-                pass
+            else:
+                self._finish_delete()
+        except BaseException:  # noqa: BLE001 - never raises
+            pass
 
     def _settle_interrupted(self) -> None:
         """Finish a :meth:`close`, :meth:`abort` or :meth:`discard` that a Ctrl-C interrupted
