@@ -785,3 +785,49 @@ def test_ctrl_c_at_each_line_of_a_rank_store_close_then_close_again_commits_ever
                 w.close()
         w.close()  # (again: the interrupted close is finished)
         _same_store(w.path, want.path)
+
+
+@pytest.mark.parametrize("where", [("close", "self._stop_threads()"), ("_commit_now", "self._drop_unlisted_parts()")],
+                         ids=["before-commit", "after-root"])
+def test_consolidate_of_a_rank_store_whose_close_ctrl_c_cut_short_waits_for_that_close(tmp_path, capsys, where):
+    # a rank store of its own (RankStore, no process group) whose close a Ctrl-C cut short is held
+    # by its writer until that close is called again: `activationscope consolidate` said only to
+    # wait for it to finish, which it never would, or, the Ctrl-C coming after the rank store's
+    # root was written, committed the rank stores and removed that one from under its writer.
+    # Now it is refused, naming the close to call again; once it is, the consolidate commits
+    # every row
+    from activationscope import cli
+    from activationscope.store import writer as W
+    from activationscope.store.ranks import open_capture_writer
+
+    data = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+
+    def task(path, t):
+        w = open_capture_writer(str(path), process_group=acs.RankStore(t, 2), chunk_rows=4, shard_rows=8,
+                                commit_interval=0)
+        arr = w.open_array("x", (8,), torch.float32, "sample")
+        for s in range(12 * t, 12 * t + 12, 6):
+            arr.append(data[s:s + 6])
+            w.add_batch(6, list(range(s, s + 6)))
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    for t in (0, 1):
+        task(want, t).close()
+    assert cli.main(["consolidate", str(want)]) == 0
+    task(path, 0).close()
+    w, at = task(path, 1), _InterruptAtLine(W.__file__, *where, 1)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            w.close()
+    assert at.raised
+    capsys.readouterr()
+    assert cli.main(["consolidate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"rank 1 store {str(path / 'ranks' / '00001')!r} is still being written" in err, err
+    assert "close() or tracker.remove() is called again in that process" in err and "nothing was written" in err, err
+    assert (path / "ranks" / "00001" / "zarr.json").exists() and not (path / "acts").exists()
+    w.close()  # (again)
+    assert cli.main(["consolidate", str(path)]) == 0
+    _same_store(path, want)
