@@ -731,6 +731,44 @@ def test_ctrl_c_as_the_writer_close_starts_deleting_the_replaced_store_then_agai
     assert writer_holding(B.resolve(str(path))) is None
 
 
+@pytest.mark.parametrize("again", ["abort", "discard"])
+@pytest.mark.parametrize("text", ["self._document_bytes += len(root)", "self._settle_aside(keep_new=True)"],
+                         ids=["root-written", "settling"])
+def test_ctrl_c_after_the_root_of_an_overwrite_close_then_abort_keeps_the_new_store(tmp_path, text, again):
+    # a Ctrl-C in the commit of StoreWriter.close of an overwrite=True that committed nothing before,
+    # after it wrote the new store's root (every row listed, status complete) and before it began
+    # deleting the old store, then an abort (a tracker's after a Ctrl-C in its close, or one
+    # called): the old store was put back in place of the new one, which had committed, and the
+    # new rows were lost. Now the old store goes, as after an uninterrupted close
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    data = torch.randn(8, 4)
+
+    def replaced(path):
+        _writer_left_open(path).close()
+        w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+        w.open_array("x", (4,), torch.float32, "sample").append(data)
+        w.add_batch(8)
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    replaced(want).close()
+    w = replaced(path)
+    at = _InterruptAtLine(W.__file__, "_commit_now", text, 1)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            w.close()
+    assert at.raised
+    getattr(w, again)()
+    _same_store(path, want)
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert writer_holding(B.resolve(str(path))) is None
+
+
 @pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
 def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_close_to_call_again(tmp_path,
                                                                                                   monkeypatch, again):

@@ -3637,7 +3637,8 @@ class StoreWriter:
         return folders
 
     def _settle_aside(self, keep_new: bool) -> None:
-        """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
+        """Overwrite: delete the old store moved aside (``keep_new``, or the root at the path
+        is a commit of the new store: :meth:`_new_store_committed`), or put it back in place
         of the new one (which committed nothing). Cut short by a Ctrl-C, it is finished when
         called again (``_aside`` is kept until it is done): a delete begun is begun again (never
         a put-back: the old store's root document may be gone); of a put-back, the new store's
@@ -3645,7 +3646,8 @@ class StoreWriter:
         aside = self._aside
         if aside is None:
             return
-        if keep_new or self._aside_deleted:  # (its root document first: a delete cut short leaves no store there)
+        # (its root document first: a delete cut short leaves no store there)
+        if keep_new or self._aside_deleted or self._new_store_committed():
             self._aside_deleted = True
             try:
                 (aside / "zarr.json").unlink()
@@ -3667,6 +3669,19 @@ class StoreWriter:
                            f"store back from {str(aside)!r} failed ({e}); it is still there: move its contents "
                            "back by hand", RuntimeWarning)
         self._aside = None
+
+    def _new_store_committed(self) -> bool:
+        """Whether the root at the path is one this writer wrote that replaces the old store (a
+        forward listed, or a close's ``complete``): a commit cut short after writing it (a
+        Ctrl-C, a failure) and before settling the old store aside; that one then goes, as after
+        the commit, never put back over the new store's committed rows."""
+        try:
+            raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+            attrs = json.loads(raw)["attributes"][F.ATTRS_KEY]
+        except (TypeError, KeyError, ValueError, RecursionError, OSError, StoreError):
+            return False
+        return (isinstance(attrs, dict) and attrs.get("run_id") == self._run_id
+                and (bool(attrs.get("n_batches")) or attrs.get("status") == "complete"))
 
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
