@@ -769,6 +769,48 @@ def test_ctrl_c_after_the_root_of_an_overwrite_close_then_abort_keeps_the_new_st
     assert writer_holding(B.resolve(str(path))) is None
 
 
+@pytest.mark.parametrize("again", ["discard", "close"])
+@pytest.mark.parametrize("where", [("_drop_kept_shards", "if restore and path not in listed"),
+                                   ("_drop_kept_shards", "keep.unlink(missing_ok=True)"),
+                                   ("_drop_kept_reductions", "if restore:")],
+                         ids=["shard-restoring", "shard-removing", "reduction-restoring"])
+def test_ctrl_c_as_the_writer_discard_puts_kept_files_back_then_again(tmp_path, where, again):
+    # a Ctrl-C in StoreWriter.discard of a resume, as it put back the committed files it had kept
+    # (the last shard of each array, rewritten with the new rows; a reduction written again): the
+    # writer forgot each kept file as it began putting it back, so the discard (or close) called
+    # again left that file in the store (.committed.tmp) and, for a reduction, the rewrite at its
+    # key, which the root, put back as found, does not list. Now each is kept until it is back:
+    # the store's files are the found ones
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    path = tmp_path / "s.zarr"
+    _writer_left_open(path).close("incomplete")
+    found = _files(path)
+    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
+    for i, hp in enumerate(("a", "b")):
+        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(12, 8) + i)
+    w.add_batch(12, list(range(36, 48)))
+    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    at = _InterruptAtLine(W.__file__, *where, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
+        assert at.raised
+        getattr(w, again)()
+    assert _files(path) == found
+    assert writer_holding(B.resolve(str(path))) is None
+
+
+def _files(path) -> dict[str, bytes]:
+    """Every file of the store at ``path`` (but its writer lock) and its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"}
+
+
 @pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
 def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_close_to_call_again(tmp_path,
                                                                                                   monkeypatch, again):

@@ -2657,18 +2657,22 @@ class StoreWriter:
         discard), unless the store's manifest as it is now lists the rewrite under the key and
         not the kept file: a commit that failed after writing that array's manifest (a full
         disk, another array's document) leaves a manifest that only the rewrite matches (the
-        root, not written, still lists the committed rows, which the rewrite holds too)."""
+        root, not written, still lists the committed rows, which the rewrite holds too). Each
+        stays listed until it is done: one called again after a Ctrl-C finishes them."""
         listed = self._rewrite_listed() if restore and self._kept_shards else set()
         while self._kept_shards:
-            path, keep = self._kept_shards.pop()
+            path, keep = self._kept_shards[-1]
             try:
-                if restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
+                if not os.path.lexists(keep) and os.path.lexists(path):
+                    pass  # (put back, or removed, by a call a Ctrl-C cut short after it)
+                elif restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
                     os.replace(keep, path)  # (rename() of two links to one file does nothing)
                 else:
                     keep.unlink(missing_ok=True)
             except OSError as e:
                 warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                                RuntimeWarning)
+            self._kept_shards.pop()
 
     def _rewrite_listed(self) -> set[Path]:
         """The keys (paths) of the kept shards whose rewrite, now under the key, is the file
@@ -4168,20 +4172,24 @@ class StoreWriter:
     def _drop_kept_reductions(self, restore: bool) -> None:
         """Remove the kept committed reduction files (a root lists the rewrite), or with
         ``restore`` put them back over their keys (no root listed it: a close or abort that
-        failed, a discard)."""
+        failed, a discard). Each stays listed until it is done: one called again after a Ctrl-C
+        finishes them."""
         while self._kept_reductions:
-            key, keep = self._kept_reductions.popitem()
+            key, keep = next(reversed(self._kept_reductions.items()))
             try:
                 if restore:
                     target = self._backend.path(key, write=True)
-                    # (its array's folder may be gone; the store's folder is never made again)
-                    self._backend._make_parent(target, key, make_root=False)
-                    os.replace(keep, target)
+                    # (the kept file gone and one at its key: put back by a call a Ctrl-C cut short after it)
+                    if os.path.lexists(keep) or not os.path.lexists(target):
+                        # (its array's folder may be gone; the store's folder is never made again)
+                        self._backend._make_parent(target, key, make_root=False)
+                        os.replace(keep, target)
                 else:
                     keep.unlink(missing_ok=True)
             except (OSError, StoreError) as e:
                 warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                                RuntimeWarning)
+            del self._kept_reductions[key]
 
     def _refuse_unwritable_reduction_keys(self) -> None:
         """Resume of a local store: refuse, before anything is deleted, captured or written, a
