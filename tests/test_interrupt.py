@@ -526,11 +526,17 @@ def test_ctrl_c_in_the_writer_setup_right_after_its_lock_then_the_cell_again(tmp
     assert w.remove_if_unused() and not path.exists()
 
 
-def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("again", ["close", "abort"])
+@pytest.mark.parametrize("where", [("close", "self._finish_delete()"), ("finish", "self._thread.join()")],
+                         ids=["before", "waiting"])
+def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_close_again(tmp_path, monkeypatch,
+                                                                                         where, again):
     # a Ctrl-C in StoreWriter.close of an overwrite=True while it waited for the background delete
     # of the old store: the close released the lock and left that delete running, and the close
     # called again did nothing, so the folder aside (.<name>.replaced-<hex>) was still there after
-    # it. Now the close called again waits for that delete, as an uninterrupted close does
+    # it. Now the close called again waits for that delete, as an uninterrupted close does; also
+    # where the Ctrl-C came as the close waited (the writer had let go of that delete as the
+    # wait began), and an abort called instead waits for it too
     import threading
 
     from acs_testing import hold_aside_delete
@@ -547,12 +553,12 @@ def test_ctrl_c_in_the_writer_close_while_the_replaced_store_is_deleted_then_clo
         w.open_array("x", (4,), torch.float32, "sample").append(data)
         w.add_batch(8)
         if overwrite:
-            at = _InterruptAtLine(W.__file__, "close", "self._finish_delete()", 1)
+            at = _InterruptAtLine(W.__file__, *where, 1)
             with pytest.raises(KeyboardInterrupt), at:
                 w.close()
             assert at.raised and started.wait(30)
             threading.Timer(0.5, go.set).start()  # (the delete ends after this: the close waits for it)
-        w.close()
+        (getattr(w, again) if overwrite else w.close)()
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
     assert torch.equal(acs.open_store(path)["x"], data)
 
@@ -685,6 +691,126 @@ def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tm
     assert writer_holding(B.resolve(str(path))) is None
 
 
+@pytest.mark.parametrize("again", ["close", "abort"])
+@pytest.mark.parametrize("where", [("_settle_aside", "(aside / \"zarr.json\").unlink()"),
+                                   ("__init__", "self._thread = threading.Thread("),
+                                   ("__init__", "self._thread.start()"), ("_settle_aside", "self._aside = None")],
+                         ids=["unlinking", "thread", "starting", "listed"])
+def test_ctrl_c_as_the_writer_close_starts_deleting_the_replaced_store_then_again(tmp_path, where, again):
+    # a Ctrl-C in the commit of StoreWriter.close of an overwrite=True that committed nothing before,
+    # as it began the background delete of the old store (its root committed): the writer had
+    # forgotten the folder aside before that delete was listed, so the close (or abort) called
+    # again neither deleted nor waited for it, and the .<name>.replaced-<hex> folder stayed. Now
+    # the one called again deletes it: the new store as an uninterrupted close leaves it
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    data = torch.randn(8, 4)
+
+    def replaced(path):
+        _writer_left_open(path).close()
+        w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+        w.open_array("x", (4,), torch.float32, "sample").append(data)
+        w.add_batch(8)
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    replaced(want).close()
+    w = replaced(path)
+    at = _InterruptAtLine(W.__file__, *where, 1)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            w.close()
+    assert at.raised
+    getattr(w, again)()
+    _same_store(path, want)
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert writer_holding(B.resolve(str(path))) is None
+
+
+@pytest.mark.parametrize("again", ["abort", "discard"])
+@pytest.mark.parametrize("text", ["self._document_bytes += len(root)", "self._settle_aside(keep_new=True)"],
+                         ids=["root-written", "settling"])
+def test_ctrl_c_after_the_root_of_an_overwrite_close_then_abort_keeps_the_new_store(tmp_path, text, again):
+    # a Ctrl-C in the commit of StoreWriter.close of an overwrite=True that committed nothing before,
+    # after it wrote the new store's root (every row listed, status complete) and before it began
+    # deleting the old store, then an abort (a tracker's after a Ctrl-C in its close, or one
+    # called): the old store was put back in place of the new one, which had committed, and the
+    # new rows were lost. Now the old store goes, as after an uninterrupted close
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    data = torch.randn(8, 4)
+
+    def replaced(path):
+        _writer_left_open(path).close()
+        w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+        w.open_array("x", (4,), torch.float32, "sample").append(data)
+        w.add_batch(8)
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    replaced(want).close()
+    w = replaced(path)
+    at = _InterruptAtLine(W.__file__, "_commit_now", text, 1)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            w.close()
+    assert at.raised
+    getattr(w, again)()
+    _same_store(path, want)
+    assert not list(tmp_path.glob(".s.zarr.replaced-*"))
+    assert writer_holding(B.resolve(str(path))) is None
+
+
+@pytest.mark.parametrize("again", ["discard", "close"])
+@pytest.mark.parametrize("where", [("_drop_kept_shards", "if restore and path not in listed"),
+                                   ("_drop_kept_shards", "keep.unlink(missing_ok=True)"),
+                                   ("_drop_kept_reductions", "if restore:")],
+                         ids=["shard-restoring", "shard-removing", "reduction-restoring"])
+def test_ctrl_c_as_the_writer_discard_puts_kept_files_back_then_again(tmp_path, where, again):
+    # a Ctrl-C in StoreWriter.discard of a resume, as it put back the committed files it had kept
+    # (the last shard of each array, rewritten with the new rows; a reduction written again): the
+    # writer forgot each kept file as it began putting it back, so the discard (or close) called
+    # again left that file in the store (.committed.tmp) and, for a reduction, the rewrite at its
+    # key, which the root, put back as found, does not list. Now each is kept until it is back:
+    # the store's files are the found ones
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    path = tmp_path / "s.zarr"
+    _writer_left_open(path).close("incomplete")
+    found = _files(path)
+    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
+    for i, hp in enumerate(("a", "b")):
+        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(12, 8) + i)
+    w.add_batch(12, list(range(36, 48)))
+    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    at = _InterruptAtLine(W.__file__, *where, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
+        assert at.raised
+        getattr(w, again)()
+    assert _files(path) == found
+    assert writer_holding(B.resolve(str(path))) is None
+
+
+def _files(path) -> dict[str, bytes]:
+    """Every file of the store at ``path`` (but its writer lock) and its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != ".activationscope-writer.lock"}
+
+
 @pytest.mark.parametrize("again", ["writer.close", "tracker.remove"])
 def test_a_store_whose_close_ctrl_c_cut_short_refuses_the_cell_again_naming_the_close_to_call_again(tmp_path,
                                                                                                   monkeypatch, again):
@@ -739,3 +865,49 @@ def test_ctrl_c_at_each_line_of_a_rank_store_close_then_close_again_commits_ever
                 w.close()
         w.close()  # (again: the interrupted close is finished)
         _same_store(w.path, want.path)
+
+
+@pytest.mark.parametrize("where", [("close", "self._stop_threads()"), ("_commit_now", "self._drop_unlisted_parts()")],
+                         ids=["before-commit", "after-root"])
+def test_consolidate_of_a_rank_store_whose_close_ctrl_c_cut_short_waits_for_that_close(tmp_path, capsys, where):
+    # a rank store of its own (RankStore, no process group) whose close a Ctrl-C cut short is held
+    # by its writer until that close is called again: `activationscope consolidate` said only to
+    # wait for it to finish, which it never would, or, the Ctrl-C coming after the rank store's
+    # root was written, committed the rank stores and removed that one from under its writer.
+    # Now it is refused, naming the close to call again; once it is, the consolidate commits
+    # every row
+    from activationscope import cli
+    from activationscope.store import writer as W
+    from activationscope.store.ranks import open_capture_writer
+
+    data = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+
+    def task(path, t):
+        w = open_capture_writer(str(path), process_group=acs.RankStore(t, 2), chunk_rows=4, shard_rows=8,
+                                commit_interval=0)
+        arr = w.open_array("x", (8,), torch.float32, "sample")
+        for s in range(12 * t, 12 * t + 12, 6):
+            arr.append(data[s:s + 6])
+            w.add_batch(6, list(range(s, s + 6)))
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    for t in (0, 1):
+        task(want, t).close()
+    assert cli.main(["consolidate", str(want)]) == 0
+    task(path, 0).close()
+    w, at = task(path, 1), _InterruptAtLine(W.__file__, *where, 1)
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        with at:
+            w.close()
+    assert at.raised
+    capsys.readouterr()
+    assert cli.main(["consolidate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"rank 1 store {str(path / 'ranks' / '00001')!r} is still being written" in err, err
+    assert "close() or tracker.remove() is called again in that process" in err and "nothing was written" in err, err
+    assert (path / "ranks" / "00001" / "zarr.json").exists() and not (path / "acts").exists()
+    w.close()  # (again)
+    assert cli.main(["consolidate", str(path)]) == 0
+    _same_store(path, want)

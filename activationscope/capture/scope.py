@@ -1844,7 +1844,8 @@ class Tracker:
                         self.writer.close(status="incomplete")
                     except BaseException:  # noqa: BLE001
                         self.writer.abort(e)
-                    self._remove_unused_store(e)
+                    if not self._remove_unused_store(e):
+                        self._note_put_back(e)
                     raise
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
@@ -1904,7 +1905,9 @@ class Tracker:
                 try:
                     self.writer.close(status=status)
                 except BaseException as e:
-                    self._remove_unused_store(e)  # (a first commit that failed: no row to resume)
+                    # (a first commit that failed: no row to resume; overwrite=True: the old store back)
+                    if not self._remove_unused_store(e):
+                        self._note_put_back(e)
                     raise
                 self._warn_silent(silent)
                 return

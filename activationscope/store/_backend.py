@@ -664,7 +664,9 @@ class LocalBackend:
     def clear_for_restore(self) -> None:
         """:meth:`restore_aside`, step 1: remove what is in the folder (but the writer lock; the
         new root document first, so that a process killed meanwhile leaves no root at the path,
-        which :meth:`finish_move_aside` recognises). Run again, it removes what is left."""
+        which :meth:`finish_move_aside` recognises). Run again, it removes what is left. The
+        spare files are given up first (:meth:`release`): none is made in a folder being removed."""
+        self.release()
         try:
             (self.root / "zarr.json").unlink()
         except (FileNotFoundError, IsADirectoryError):  # (a folder there: clear() removes it)

@@ -1215,6 +1215,24 @@ def _check_commit_record(b: Any, attrs: dict, dist: dict, ranks: list[int]) -> N
         "move it away) and consolidate again")
 
 
+def _refuse_held_ranks(b: Any, ranks: list[int]) -> None:
+    """Raise :class:`StoreError` when a writer still holds the lock of one of the rank stores
+    ``ranks`` of the local store ``b`` (a local lock is held only by a live writer: flock,
+    FORMAT.md section 7), whatever that rank store's root says: its close may still be running,
+    or be cut short by a Ctrl-C (complete or not, it is that writer's until that close is
+    called again), and nothing is read, written or removed under it meanwhile."""
+    if not isinstance(b, LocalBackend):
+        return
+    for r in ranks:
+        path = rank_target(str(b), r)
+        holder = writer_holding(LocalBackend(path))
+        if holder is not None:
+            raise StoreError(f"rank {r} store {path!r} is still being written (its writer lock is held by {holder}): "
+                             "wait for it to finish (a capture whose close a Ctrl-C cut short holds it until its "
+                             "close() or tracker.remove() is called again in that process), then consolidate again; "
+                             "nothing was written")
+
+
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
                   verify: bool = True) -> dict:
@@ -1224,6 +1242,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     root_attrs: Any = _root_attrs_to_commit(b, raw) if raw else {}
     dist = root_attrs.get("distributed") or {}
     ranks = listed_rank_stores(b)
+    _refuse_held_ranks(b, ranks)
     # FORMAT.md section 10, "Capturing a store again": rank stores of the run that captures this
     # root's store again make the commit a new run that replaces the store (its root first)
     again = capture_again_run_id(root_attrs, raw) if raw else None
@@ -1317,12 +1336,7 @@ def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
     stores = [Store(b.root / RANKS_DIR / f"{r:05d}") if local else
               Store(rank_target(target, r), storage_options=storage_options) for r in ranks]
     for r, st in enumerate(stores):
-        if st.status != "complete":
-            # (a local lock is held only by a live writer: flock, FORMAT.md section 7)
-            holder = writer_holding(st._backend) if local else None
-            if holder is not None:
-                raise StoreError(f"rank {r} store {st.path!r} is still being written (its writer lock is held by "
-                                 f"{holder}): wait for it to finish, then consolidate again; nothing was written")
+        if st.status != "complete":  # (none is held by a writer: _refuse_held_ranks)
             raise StoreError(f"rank {r} store {st.path!r} is {st.status!r}: resume that rank (resume=True) so it "
                              "completes, then commit")
     _check_rank_world_sizes(b, stores, expected)

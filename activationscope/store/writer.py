@@ -1283,6 +1283,7 @@ class StoreWriter:
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             self._aside_cleared = False  # its put-back removed the new store's files (_settle_aside)
+            self._aside_deleted = False  # its delete began (_settle_aside): never put back
             # overwrite: the old store's delete, once the new one committed; and the delete of what a
             # cut-short delete of an earlier overwrite left (_warn_left_aside): each waited for by the close
             self._deleting: list[_AsideDelete] = []
@@ -2663,18 +2664,22 @@ class StoreWriter:
         discard), unless the store's manifest as it is now lists the rewrite under the key and
         not the kept file: a commit that failed after writing that array's manifest (a full
         disk, another array's document) leaves a manifest that only the rewrite matches (the
-        root, not written, still lists the committed rows, which the rewrite holds too)."""
+        root, not written, still lists the committed rows, which the rewrite holds too). Each
+        stays listed until it is done: one called again after a Ctrl-C finishes them."""
         listed = self._rewrite_listed() if restore and self._kept_shards else set()
         while self._kept_shards:
-            path, keep = self._kept_shards.pop()
+            path, keep = self._kept_shards[-1]
             try:
-                if restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
+                if not os.path.lexists(keep) and os.path.lexists(path):
+                    pass  # (put back, or removed, by a call a Ctrl-C cut short after it)
+                elif restore and path not in listed and not (path.exists() and os.path.samefile(keep, path)):
                     os.replace(keep, path)  # (rename() of two links to one file does nothing)
                 else:
                     keep.unlink(missing_ok=True)
             except OSError as e:
                 warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                                RuntimeWarning)
+            self._kept_shards.pop()
 
     def _rewrite_listed(self) -> set[Path]:
         """The keys (paths) of the kept shards whose rewrite, now under the key, is the file
@@ -3643,21 +3648,26 @@ class StoreWriter:
         return folders
 
     def _settle_aside(self, keep_new: bool) -> None:
-        """Overwrite: delete the old store moved aside (``keep_new``), or put it back in place
-        of the new one (which committed nothing). A put-back cut short by a Ctrl-C is finished
-        when called again (``_aside`` is kept until it is done): the new store's files are
-        removed once, then the old ones still aside moved back."""
+        """Overwrite: delete the old store moved aside (``keep_new``, or the root at the path
+        is a commit of the new store: :meth:`_new_store_committed`), or put it back in place
+        of the new one (which committed nothing). Cut short by a Ctrl-C, it is finished when
+        called again (``_aside`` is kept until it is done): a delete begun is begun again (never
+        a put-back: the old store's root document may be gone); of a put-back, the new store's
+        files are removed once, then the old ones still aside moved back."""
         aside = self._aside
         if aside is None:
             return
-        if keep_new:  # (its root document first: a deletion cut short leaves no store there)
-            self._aside = None
+        # (its root document first: a delete cut short leaves no store there)
+        if keep_new or self._aside_deleted or self._new_store_committed():
+            self._aside_deleted = True
             try:
                 (aside / "zarr.json").unlink()
             except OSError:
                 pass
             # the rest off this thread: the commit returns at once; close() and abort() wait for it
-            self._deleting.append(_AsideDelete(aside))
+            if all(d.aside != aside for d in self._deleting):  # (begun once)
+                self._deleting.append(_AsideDelete(aside))
+            self._aside = None
             return
         try:
             if not self._aside_cleared:  # (once only: the entries moved back since are the old store's)
@@ -3671,18 +3681,35 @@ class StoreWriter:
                            "back by hand", RuntimeWarning)
         self._aside = None
 
+    def _new_store_committed(self) -> bool:
+        """Whether the root at the path is one this writer wrote that replaces the old store (a
+        forward listed, or a close's ``complete``): a commit cut short after writing it (a
+        Ctrl-C, a failure) and before settling the old store aside; that one then goes, as after
+        the commit, never put back over the new store's committed rows."""
+        try:
+            raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
+            attrs = json.loads(raw)["attributes"][F.ATTRS_KEY]
+        except (TypeError, KeyError, ValueError, RecursionError, OSError, StoreError):
+            return False
+        return (isinstance(attrs, dict) and attrs.get("run_id") == self._run_id
+                and (bool(attrs.get("n_batches")) or attrs.get("status") == "complete"))
+
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
         replaced, started by the commit that settled it (:class:`_AsideDelete`), so that a closed
         writer leaves no ``.<name>.replaced-<hex>`` folder. The same for the delete of what an
-        earlier writer's delete left (:meth:`_warn_left_aside`)."""
-        deleting, self._deleting = self._deleting, []
+        earlier writer's delete left (:meth:`_warn_left_aside`). Each stays listed until its wait
+        is over: a Ctrl-C as it waits leaves it (and those after it) to the close called again."""
         raised: list[BaseException] = []
-        for d in deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+        while self._deleting:  # (each waited for, even when one's warning is raised: warnings as errors)
+            d = self._deleting[0]
             try:
                 d.finish(str(self._backend))
+            except KeyboardInterrupt:
+                raise
             except BaseException as e:  # noqa: BLE001 - raised below, once every delete is done
                 raised.append(e)
+            del self._deleting[0]
         if raised:
             raise raised[0]
 
@@ -4152,20 +4179,24 @@ class StoreWriter:
     def _drop_kept_reductions(self, restore: bool) -> None:
         """Remove the kept committed reduction files (a root lists the rewrite), or with
         ``restore`` put them back over their keys (no root listed it: a close or abort that
-        failed, a discard)."""
+        failed, a discard). Each stays listed until it is done: one called again after a Ctrl-C
+        finishes them."""
         while self._kept_reductions:
-            key, keep = self._kept_reductions.popitem()
+            key, keep = next(reversed(self._kept_reductions.items()))
             try:
                 if restore:
                     target = self._backend.path(key, write=True)
-                    # (its array's folder may be gone; the store's folder is never made again)
-                    self._backend._make_parent(target, key, make_root=False)
-                    os.replace(keep, target)
+                    # (the kept file gone and one at its key: put back by a call a Ctrl-C cut short after it)
+                    if os.path.lexists(keep) or not os.path.lexists(target):
+                        # (its array's folder may be gone; the store's folder is never made again)
+                        self._backend._make_parent(target, key, make_root=False)
+                        os.replace(keep, target)
                 else:
                     keep.unlink(missing_ok=True)
             except (OSError, StoreError) as e:
                 warn_at_caller(f"store {str(self._backend)!r}: {'restoring' if restore else 'removing'} {keep}: {e}",
                                RuntimeWarning)
+            del self._kept_reductions[key]
 
     def _refuse_unwritable_reduction_keys(self) -> None:
         """Resume of a local store: refuse, before anything is deleted, captured or written, a
@@ -4745,7 +4776,9 @@ class StoreWriter:
         one the caller sees). Called again after a close, abort or discard cut short by a
         Ctrl-C before it released the lock, it finishes that one as :meth:`close` does, but
         commits nothing more: a close cut short before its commit is given up, the store left
-        at its last commit (status ``incomplete``, ``resume=True`` continues it).
+        at its last commit (status ``incomplete``, ``resume=True`` continues it). Called after
+        a close cut short as it waited for the delete of the store ``overwrite=True`` replaced,
+        it waits for that delete, as :meth:`close` does.
 
         Parameters
         ----------
@@ -4822,13 +4855,16 @@ class StoreWriter:
                     pass
 
     def _settle_interrupted_quietly(self) -> None:
-        """:meth:`_settle_interrupted` where one is due (``_settling``), for :meth:`abort` and
-        :meth:`discard`, which never raise."""
-        if self._settling:  # a close, abort or discard interrupted before it let go of the lock
-            try:
+        """:meth:`_settle_interrupted` where one is due (``_settling``), else the wait for the
+        delete of the store ``overwrite=True`` replaced that a Ctrl-C cut short (as
+        :meth:`close` called again), for :meth:`abort` and :meth:`discard`, which never raise."""
+        try:
+            if self._settling:  # a close, abort or discard interrupted before it let go of the lock
                 self._settle_interrupted()
-            except BaseException:  # noqa: BLE001 - never raises
-                pass
+            else:
+                self._finish_delete()
+        except BaseException:  # noqa: BLE001 - never raises
+            pass
 
     def _settle_interrupted(self) -> None:
         """Finish a :meth:`close`, :meth:`abort` or :meth:`discard` that a Ctrl-C interrupted

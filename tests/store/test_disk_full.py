@@ -283,6 +283,34 @@ def test_an_overwrite_that_committed_nothing_says_the_earlier_store_is_kept_not_
     assert torch.equal(kept["fc2.output"], before)
 
 
+def test_an_overwrite_whose_close_did_not_fit_says_the_earlier_store_is_kept_not_its_rows(tmp_path, monkeypatch):
+    """The same where the `with` block ended and the close's commit (the new capture's first)
+    ran out of room: the earlier store was put back, and the error, with no note, said that
+    resume=True continues from the committed rows, so that a resume continued the earlier store
+    with this capture's rows."""
+    path = tmp_path / "s.zarr"
+    model, xs = _model_and_data()
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    before = open_store(path)["fc2.output"].clone()
+    failure = _fail_renames(monkeypatch, "manifest.json", armed=False)
+    with pytest.raises(StoreError) as e:
+        with acs.ActivationScope(store=str(path), store_options={"overwrite": True}).track(model), torch.no_grad():
+            model(xs[0])
+            failure.armed = True  # (the disk is full from here on: the close's commit does not fit)
+    assert failure.seen >= 1 and "free space there" in str(e.value)
+    notes = getattr(e.value, "__notes__", [])
+    assert notes == [f"no row of this capture was committed, so the store that overwrite=True was to replace at "
+                     f"{str(path)!r} is kept as it was: open_store reads that earlier store, none of this capture's "
+                     "rows, and resume=True would continue that store, not this capture; once the cause is fixed, "
+                     "run the capture again with overwrite=True"], notes
+    monkeypatch.undo()
+    kept = open_store(path)
+    assert kept.status == "complete" and kept.n_samples == N * B
+    assert torch.equal(kept["fc2.output"], before)
+
+
 REMOTE_CHILD = textwrap.dedent("""
     import resource, signal, sys, uuid
     import torch

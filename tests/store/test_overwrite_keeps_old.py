@@ -4,6 +4,7 @@ fails before its first commit leaves the old store in place, byte for byte (FORM
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,56 @@ def test_writer_abort_before_and_after_the_first_commit(tmp_path):
     w = StoreWriter(path, overwrite=True)
     w.abort(RuntimeError("stop"))
     assert _files(path) == mid
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_writer_abort_puts_the_old_store_back_while_its_spare_files_are_being_made(tmp_path, monkeypatch):
+    # the writer's background thread making the spare files of its next commit's documents went on
+    # as the abort of an overwrite=True that committed no forward removed the new store's files to
+    # put the old store back: a spare file made in a folder being removed made that removal fail
+    # (directory not empty), and the old store stayed in the folder aside, to be moved back by hand
+    import os
+    import threading
+
+    from activationscope.store import _backend as B
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    before = _files(path)
+    go, made = threading.Event(), []
+    temp_name, release, rmdir = B.LocalBackend._temp_name, B.LocalBackend.release, os.rmdir
+
+    def held_name(p):  # (the spare file of a document of the new array x: made once go is set)
+        tmp = temp_name(p)
+        if threading.current_thread().name == "activationscope-reserve" and p.parent.name == "x":
+            go.wait(30)
+            made.append(tmp)
+        return tmp
+
+    def releasing(self):  # (spare files given up: the held one goes on, to be removed by it)
+        go.set()
+        release(self)
+
+    def removing(name, *args, **kwargs):  # (the folder of x removed: its spare file is made first)
+        if os.path.basename(name) == "x" and not go.is_set():
+            go.set()
+            for _ in range(500):
+                if made and os.path.exists(made[0]):
+                    break
+                threading.Event().wait(0.01)
+        return rmdir(name, *args, **kwargs)
+
+    monkeypatch.setattr(B.LocalBackend, "_temp_name", staticmethod(held_name))
+    monkeypatch.setattr(B.LocalBackend, "release", releasing)
+    monkeypatch.setattr(os, "rmdir", removing)
+    w = StoreWriter(path, overwrite=True, commit_interval=0)
+    w.open_array("x", (3,), torch.float32, "sample").append(torch.randn(8, 3))
+    w.add_batch(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no "putting the old store back ... failed")
+        w.abort(RuntimeError("stop"))
+    assert w.put_back
+    assert _files(path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
 
 
