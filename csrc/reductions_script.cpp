@@ -119,14 +119,14 @@ class ScriptReduction : public Reduction {
       note_nonfinite(acc_, rows);
       acc_from_state_ = false;
       rows_device_ = rows.device();
-      // What the next batch's copy (copy_acc) goes into instead of a new allocation: the copy
-      // this batch was given when the function returned another tensor, else (it updated the
-      // copy in place) the accumulator before this batch, which the checkpoint (the capture's
-      // state before this forward) may hold until the next one. copy_acc takes it only once no
-      // one else holds it.
+      // What the next batch's copy (copy_acc) goes into instead of a new allocation: the
+      // accumulator before this batch when the function updated its copy in place, or when the
+      // checkpoint (the capture's state before this forward) holds it until the next one anyway;
+      // else the copy this batch was given (the function returned another tensor), the
+      // accumulator before it then freed. copy_acc takes it only once no one else holds it.
       if (copy && acc_in.defined()) {
         const bool returned = acc_.has_storage() && acc_in.has_storage() && acc_.storage().is_alias_of(acc_in.storage());
-        spare_ = returned ? kept : acc_in;
+        spare_ = returned || (kept.defined() && kept.is_same(saved_acc_)) ? kept : acc_in;
       } else {
         spare_ = at::Tensor();
       }
