@@ -54,12 +54,16 @@ class ScriptReduction : public Reduction {
       acc_ = acc_.to(rows.device());
     }
     // The accumulator as it was: put back when this batch fails (the function raises, writes
-    // into x or returns no tensor). A function seen updating acc in place, or not yet seen with
-    // an accumulator, works on a copy, so that what is put back is untouched. One whose program
-    // writes into nothing (may_write_acc) is given the accumulator itself, shared or not: the
-    // handles the checkpoint, `kept` and the caller hold stay as they are, so a forward copies
-    // nothing (its checkpoint is a handle, not a copy of the state).
-    const bool copy = in_place_ || (writes_acc_ && (!seen_ || acc_needs_copy()));  // (before `kept` shares it)
+    // into x or returns no tensor). A function whose program may write into acc (may_write_acc)
+    // works on a copy at every batch, so that what is put back is untouched: a write seen by
+    // nothing (through acc.data, or under inference_mode: no version counter moves, and the
+    // function may return another tensor) followed by an error would otherwise stay in the
+    // accumulator. The copy goes into the memory of an accumulator no longer in use (spare_),
+    // so a batch allocates nothing for it. One whose program writes into nothing is given the
+    // accumulator itself, shared or not: the handles the checkpoint, `kept` and the caller hold
+    // stay as they are, so a forward copies nothing (its checkpoint is a handle, not a copy of
+    // the state).
+    const bool copy = in_place_ || writes_acc_;
     undo_from_state_ = acc_from_state_;  // (undo_update)
     undo_rows_device_ = rows_device_;
     undo_made_ = made_;
@@ -105,14 +109,9 @@ class ScriptReduction : public Reduction {
                 "broadcasts, so the batches would not be folded in alike); ",
                 acc_from_state_ ? "give init= (or the stored state) the shape and dtype the function returns"
                                 : "make the function return a tensor of its accumulator's shape and dtype");
-      // (returning acc, or a view of it, counts for a program that may write into it: the
-      // version counter of an inference tensor does not move)
-      if (acc_in.defined() &&
-          ((acc_versioned && acc_in._version() != acc_version) ||
-           (writes_acc_ && acc.has_storage() && acc_in.has_storage() && acc.storage().is_alias_of(acc_in.storage())))) {
-        in_place_ = true;  // (acc += ...; return acc): from the next batch on, on a copy
-      }
-      seen_ = seen_ || acc_in.defined();
+      // A program said to write into nothing that still moved acc's version counter (an op
+      // whose schema hides its write): from the next batch on, on a copy, as any that may write.
+      if (acc_versioned && acc_in._version() != acc_version) in_place_ = true;
       // An accumulator that is x itself (`return x` for the first batch) or a view of it would
       // change with the model's memory: keep a copy.
       if (acc.has_storage() && rows.has_storage() && acc.storage().is_alias_of(rows.storage())) acc = acc.clone();
@@ -120,10 +119,17 @@ class ScriptReduction : public Reduction {
       note_nonfinite(acc_, rows);
       acc_from_state_ = false;
       rows_device_ = rows.device();
-      // The accumulator before this batch, when the checkpoint holds it too (the capture's
-      // state before this forward): its memory is kept until the next checkpoint anyway, and
-      // then takes the next forward's copy (copy_acc) instead of a new allocation.
-      spare_ = copy && kept.defined() && kept.is_same(saved_acc_) ? kept : at::Tensor();
+      // What the next batch's copy (copy_acc) goes into instead of a new allocation: the
+      // accumulator before this batch when the function updated its copy in place, or when the
+      // checkpoint (the capture's state before this forward) holds it until the next one anyway;
+      // else the copy this batch was given (the function returned another tensor), the
+      // accumulator before it then freed. copy_acc takes it only once no one else holds it.
+      if (copy && acc_in.defined()) {
+        const bool returned = acc_.has_storage() && acc_in.has_storage() && acc_.storage().is_alias_of(acc_in.storage());
+        spare_ = returned || (kept.defined() && kept.is_same(saved_acc_)) ? kept : acc_in;
+      } else {
+        spare_ = at::Tensor();
+      }
     } catch (...) {
       acc_ = kept;
       throw;
@@ -196,7 +202,8 @@ class ScriptReduction : public Reduction {
     acc_from_state_ = a.defined();
     rows_device_ = std::nullopt;  // (moved to the rows' device at the next update)
   }
-  // (a handle: acc_ shared is copied before an in-place update, acc_needs_copy)
+  // (a handle: an update that may write into acc works on a copy, a merge copies a shared acc_
+  // first, acc_needs_copy)
   void checkpoint() override {
     saved_acc_ = acc_;
     saved_from_state_ = acc_from_state_;
@@ -268,14 +275,14 @@ class ScriptReduction : public Reduction {
     return t.layout() == at::kStrided && !t.is_meta() && !t.is_nested() && (t.is_floating_point() || t.is_complex());
   }
 
-  // The function (and merge) may update the accumulator in place (`acc += x.sum(0)`): give it
-  // one no one else holds. acc_ is shared after state() / result() handed it out, load_state
-  // took it (init= is one tensor for the reductions of every hook point), or a merge adopted
-  // the other side's: then it is copied first (once), so that no other reduction, earlier
-  // result or the caller's tensor changes. An accumulator made under torch.inference_mode (an
-  // inference tensor) is copied too when the batch comes outside it: an in-place update of it
-  // there is an error. The copy is a normal tensor, so a capture may mix forwards under
-  // inference_mode and not.
+  // merge may update the accumulator in place (`a += b`): give it one no one else holds (the
+  // function gets a copy at every batch, update). acc_ is shared after state() / result()
+  // handed it out, load_state took it (init= is one tensor for the reductions of every hook
+  // point), or a merge adopted the other side's: then it is copied first (once), so that no
+  // other reduction, earlier result or the caller's tensor changes. An accumulator made under
+  // torch.inference_mode (an inference tensor) is copied too when the merge comes outside it:
+  // an in-place update of it there is an error. The copy is a normal tensor, so a capture may
+  // mix forwards under inference_mode and not.
   bool acc_needs_copy() const {
     if (!acc_.defined()) return false;
     const bool shared = acc_.use_count() > 1 || (acc_.has_storage() && acc_.storage().use_count() > 1);
@@ -343,8 +350,7 @@ class ScriptReduction : public Reduction {
   bool acc_optional_ = true;
   bool has_merge_ = false;
   bool writes_acc_ = true;  // the function's program may write into acc (may_write_acc)
-  bool in_place_ = false;  // the function was seen updating acc in place
-  bool seen_ = false;      // the function was seen with an accumulator (in place or not)
+  bool in_place_ = false;  // the function was seen updating acc in place, said to write into nothing
   bool acc_from_state_ = false;  // acc_ is an init= or a loaded state, not yet updated
   at::Tensor acc_;
   std::optional<c10::Device> rows_device_;  // the device of the rows acc_ was last made from

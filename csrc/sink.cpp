@@ -682,7 +682,9 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
                 starts ? ", is stored one row per sample (its first captured activation did not start with "
                          "that forward's (batch, pos))"
                        : ", does not start with it, so it is stored one row per sample",
-                ", and those rows change shape with pos: leave it out of the capture, alone with ",
+                ", and those rows change shape with pos: pad every batch to one length (a tokenizer's ",
+                "padding=\"max_length\", max_length=N; the token rows of the other hook points still leave the ",
+                "padding out), so that its rows keep one shape, or leave it out of the capture, alone with ",
                 "exclude_hook_points=['", name_, "'] (the other hook points of its module still captured), or ",
                 "with its module (exclude= its module",
                 is_input ? ", or capture=\"output\": it is an input of its module)" : ")", ".");

@@ -2560,6 +2560,39 @@ def test_resume_with_other_tensor_data_is_refused(tmp_path, user_module, capsys)
     assert store.n_samples == 30 and store.attrs["provenance"]["data_fingerprint"]["samples"] == 10  # the first run's
 
 
+def test_the_advice_for_an_attention_map_that_changes_shape_with_pos_reads_in_the_commands_words(tmp_path):
+    """A map (batch, heads, pos, pos) stored one row per sample under an attention mask fails at
+    the second length; the library's message gives first the fix of padding every batch to one
+    length (a tokenizer's padding="max_length"), which the command has no option for (it pads
+    each batch of text to its longest text): its message leaves that out and says why."""
+    import activationscope as acs
+
+    class Maps(torch.nn.Module):
+        def forward(self, h):
+            return h, (h @ h.transpose(1, 2)).softmax(-1)[:, None]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = torch.nn.ModuleList([Maps()])
+
+        def forward(self, x):
+            return self.h[0](x)[0]
+
+    model = Net()
+    with pytest.raises(acs.CaptureError) as e:
+        with torch.no_grad(), acs.ActivationScope(store=str(tmp_path / "s.zarr")).track(model, include=["h.0"]) as t:
+            for pos in (4, 3):
+                t.set_batch(attention_mask=torch.ones(2, pos, dtype=torch.long))
+                model(torch.randn(2, pos, 4))
+    assert 'padding="max_length"' in str(e.value)
+    message = cli._cli_spelling(str(e.value), "capture")
+    assert "padding=" not in message and "max_length" not in message
+    assert ("and those rows change shape with pos: the command pads each batch of text to its own longest text, so "
+            "leave it out of the capture, alone with --exclude-hook-points 'h.0.output.1' (the other hook points of "
+            "its module still captured), or with its module (--exclude its module).") in message
+
+
 def test_capture_exclude_hook_points_leaves_out_one_leaf_of_a_modules_output(capsys, tmp_path, user_package):
     """--exclude-hook-points: a block returning (hidden, attention weights), as BLOOM's does,
     stores its hidden state only; the library's advice reads in the flag's words."""

@@ -74,6 +74,29 @@ def test_without_it_the_weights_fail_the_second_length_naming_exclude_hook_point
     msg = str(e.value)
     assert "hook point 'h.0.output.1' changed its feature shape from (2, 5, 5) to (2, 3, 3)" in msg
     assert "alone with exclude_hook_points=['h.0.output.1'] (the other hook points of its module still captured)" in msg
+    # (the fix that keeps the weights: it said only to leave them out)
+    assert ("and those rows change shape with pos: pad every batch to one length (a tokenizer's "
+            "padding=\"max_length\", max_length=N; the token rows of the other hook points still leave the padding "
+            "out), so that its rows keep one shape, or leave it out of the capture") in msg
+
+
+def test_batches_padded_to_one_length_keep_the_weights_and_the_token_rows_of_the_rest(tmp_path):
+    """The fix the error gives first: every batch padded to one length (what a tokenizer's
+    padding="max_length" does), so the weights keep one shape, one row per sample, and the
+    hidden states are still stored one row per real token."""
+    torch.manual_seed(0)
+    model = _Decoder().eval()
+    batches = []
+    for ids, mask in _batches():
+        pad = 5 - ids.shape[1]
+        batches.append((torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(mask, (0, pad))))
+    _capture(tmp_path / "s.zarr", batches, model)
+    store = acs.open_store(tmp_path / "s.zarr")
+    want = _reference(model, batches)
+    with torch.no_grad():
+        weights = torch.cat([model.h[0](model.emb(ids), mask)[1] for ids, mask in batches])
+    assert store.row_kind("h.0.output.1") == "sample" and torch.equal(store["h.0.output.1"], weights)
+    assert store.row_kind("h.0.output.0") == "token" and torch.equal(store["h.0.output.0"], want["h.0.output.0"])
 
 
 @pytest.mark.parametrize("where", ["scope", "track"])

@@ -275,6 +275,52 @@ def test_default_rows_warn_of_padding_in_a_forward_of_another_batch_size_than_th
     assert acs.open_store(tmp_path / "run.zarr")["proj.output"].shape == (first + later, 6, 8)
 
 
+class _SharedPositions(torch.nn.Module):
+    """Position embeddings (1, pos, d), one tensor broadcast over the batch's samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, input_ids):
+        return self.emb(torch.arange(input_ids.shape[1])[None])
+
+
+class _PositionsEncoder(_MaskedEncoder):
+    def __init__(self):
+        super().__init__()
+        self.pos = _SharedPositions()
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids) + self.pos(input_ids)
+        return self.proj(h * attention_mask[..., None])
+
+
+@pytest.mark.parametrize("where", ["store", "reductions"])
+def test_padding_warning_leaves_out_a_hook_point_shared_by_the_batch_first_seen_in_a_forward_of_one_sample(where,
+                                                                                                         tmp_path):
+    """A (1, pos, d) hook point shared by the batch (position embeddings) whose first forward
+    had one sample looks like (batch, pos, d) there: the padding of a later forward of four
+    samples was said to be inside its rows, one per sample, which it is not (one row for the
+    four). It is left out of the warning, as where its first forward had more samples; the
+    per-sample hook point is still named."""
+    torch.manual_seed(0)
+    model = _PositionsEncoder().eval()
+    padded = torch.ones(4, 6, dtype=torch.bool)
+    padded[2:, 3:] = False
+    scope = (acs.ActivationScope(store=tmp_path / "run.zarr") if where == "store"
+             else acs.ActivationScope(reductions=["mean"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), scope.track(model, include=["pos", "proj"]):
+            model(torch.randint(1, 50, (1, 6)), attention_mask=torch.ones(1, 6, dtype=torch.long))
+            model(torch.randint(1, 50, (4, 6)), attention_mask=padded)
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning) and "padding" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert "forward 1 of the tracked model was given attention_mask= with padding (6 of 24 positions are 0)" in mine[0]
+    assert "'proj.output', starting with" in mine[0] and "'pos.output'" not in mine[0], mine[0]
+
+
 class _Device:
     """Stands for a CUDA device and its torch.cuda.Events: ``done`` forwards are finished, as
     the test sets it; an event of a later forward is not, until synchronize() waits for it."""

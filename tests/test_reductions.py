@@ -2145,6 +2145,78 @@ def test_a_custom_reduction_that_updates_in_place_then_raises_keeps_its_accumula
     torch.testing.assert_close(r.result()["value"], want)
 
 
+def add_through_data_then_refuse(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = x.double().sum(0)
+    if acc is None:
+        return s
+    acc.data.add_(s)  # (a write that moves no version counter)
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc.clone()
+
+
+def add_through_data_then_refuse_eager(acc, x):
+    s = x.double().sum(0) * _SUM_SCALE
+    if acc is None:
+        return s
+    acc.data.add_(s)
+    if x.shape[0] == 2:
+        raise RuntimeError("refused after the update")
+    return acc.clone()
+
+
+@pytest.mark.parametrize("fn", [add_through_data_then_refuse, add_through_data_then_refuse_eager],
+                         ids=["script", "eager"])
+@pytest.mark.parametrize("sizes", [(3, 5, 4, 2, 6), (3, 2, 5, 4)], ids=["later", "first-update"])
+def test_a_custom_reduction_that_writes_through_acc_data_then_raises_keeps_its_accumulator(fn, sizes):
+    """A function that adds the batch to acc through acc.data (no version counter moves), returns
+    a new tensor, and raises on a later batch after its write: only the first batch given an
+    accumulator worked on a copy (the function was never seen updating acc in place), so the
+    refused batch stayed in the accumulator. Now each batch works on a copy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        r = R.make_reduction(fn)
+    assert r.kind == ("eager" if fn is add_through_data_then_refuse_eager else "script")
+    batches = [torch.randn(n, 3) for n in sizes]
+    for x in batches:
+        if x.shape[0] == 2:
+            with pytest.raises(CaptureError, match="refused after the update"):
+                r.update(x)
+        else:
+            r.update(x)
+    want = torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+    torch.testing.assert_close(r.result()["value"], want)
+
+
+@pytest.mark.parametrize("fn", [add_through_data_then_refuse, add_through_data_then_refuse_eager],
+                         ids=["script", "eager"])
+@pytest.mark.parametrize("in_store", [False, True])
+def test_a_batch_a_custom_reduction_refuses_after_writing_through_acc_data_is_in_no_reduction(fn, in_store,
+                                                                                              tmp_path):
+    """The capture going on after a custom reduction wrote a batch into acc through acc.data and
+    then raised (the caller skips the batch): a capture into a store left it out (the state
+    before each forward it keeps made the accumulator shared, so the function worked on a copy),
+    one in memory kept it in the sum."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6)).eval()
+    batches = [torch.randn(n, 4) for n in (3, 5, 4, 2, 6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        scope = acs.ActivationScope(reductions=[("s", fn)], store=str(tmp_path / "s.zarr") if in_store else None)
+    with pytest.warns(acs.CaptureWarning, match="raised and the exception was caught"):
+        with torch.no_grad(), scope.track(model, include=["0"]) as tracker:
+            for x in batches:
+                if x.shape[0] != 2:
+                    model(x)
+                    continue
+                with pytest.raises(CaptureError, match="refused after the update"):
+                    model(x)
+    got = acs.open_store(tmp_path / "s.zarr").reductions if in_store else tracker.reductions
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in batches if x.shape[0] != 2]).double().sum(0)
+    torch.testing.assert_close(got["0.output"]["s"], want)
+
+
 @pytest.mark.parametrize("in_store", [False, True])
 def test_a_batch_a_custom_reduction_refuses_is_in_no_reduction(in_store, tmp_path):
     """A custom reduction raising on one batch, and the capture going on (the caller skips the

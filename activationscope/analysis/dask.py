@@ -294,8 +294,12 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
     column name, footers without ``batch`` statistics to check the parts' order by.
 
     Raises StoreCorruptError naming the part when a listed part is missing, not a regular file
-    inside the store, or has no readable footer, and naming both counts when the footers
-    hold another number of rows than the metadata's ``n_rows`` (FORMAT.md section 9 rule 15)."""
+    inside the store, or has no readable footer, or its footer's row counts disagree with
+    themselves or say more rows than the metadata's ``n_rows`` leaves after the parts before
+    it, and naming both counts when the footers hold another number of rows than the
+    metadata's ``n_rows`` (FORMAT.md section 9 rule 15)."""
+    from .._safeio import _footer_row_count_problem
+
     dist = st.attrs.get("distributed")
     by_rank = isinstance(dist, dict) and dist.get("committed") is True
     crcs = info.get("crc32c") if isinstance(info.get("crc32c"), dict) else {}
@@ -304,7 +308,16 @@ def _part_specs(st: Store, kind: str, info: dict, parts: list[str]) -> list | No
     schema = None
     with st._reads_of_the_opened_run():  # the footers of the opened run (the root checked once they are read)
         footers = [_footer(st, kind, key) for key in parts]
+    n_rows = info.get("n_rows")
+    seen = 0  # (the rows of the parts before, by their footers)
     for key, footer in zip(parts, footers):
+        # its row counts agree with themselves and leave the table's n_rows for the parts after
+        # (a part that says 2**31 rows, and one after that says -2**31, sum to n_rows): the
+        # worker reads it no larger than that (Parquet allocates by what its footer says)
+        lie = _footer_row_count_problem(footer, n_rows - seen if isinstance(n_rows, int) else None)
+        if lie is not None:
+            raise V.corrupt(st._backend, f"row table {kind!r}: part {key!r} {lie}")
+        seen += footer.num_rows
         part_schema = footer.schema.to_arrow_schema()
         problem = V.row_part_problem(part_schema, kind, by_rank)  # (its required columns: FORMAT.md section 4)
         if problem is not None:
@@ -467,7 +480,9 @@ def _checked_part(root: str, zarr_store: Any, spec: dict) -> Any:
     if spec["crc32c"] is not None and crc32c(raw) != spec["crc32c"]:
         raise corrupt(root, f"row table {kind!r}: part {key!r}: crc32c mismatch (recorded {spec['crc32c']}, "
                             f"computed {crc32c(raw)})")
-    table = read_parquet_part(raw, root, key)
+    # (no more rows than its footer said when the graph was made, which the table's n_rows bounds:
+    # the file read now may be another)
+    table = read_parquet_part(raw, root, key, max_rows=spec["n_rows"])
     batch = table.column("batch") if "batch" in table.column_names else None
     found = batch_order(table, spec["by_rank"]) if batch is not None else ("type", ("batch",))
     problem = row_part_problem(table.schema, kind, spec["by_rank"], table)  # (its required columns)

@@ -332,12 +332,6 @@ class EagerReduction(_C.Reduction):
         self._fn = fn
         self._options = dict(options or {})
         self._acc: Optional[torch.Tensor] = None
-        # True while someone else may hold self._acc (result() / state() handed it out, or
-        # load_state took it: init= is one tensor for the reductions of every hook point):
-        # the function may update acc in place (`acc += x.sum(0)`), so it then gets a copy.
-        self._acc_shared = False
-        self._in_place = False  # the function was seen updating acc in place
-        self._seen = False  # the function was seen with an accumulator (in place or not)
         self._rows_device: torch.device | None = None  # the device of the rows self._acc was last made from
         self._acc_from_state = False  # self._acc is an init= or a loaded state, not yet updated
         # a batch made NaN or inf of finite rows (_note_nonfinite): on the CPU a bool, elsewhere
@@ -413,20 +407,20 @@ class EagerReduction(_C.Reduction):
                       self._acc_finite)
         # (an inference tensor, rows of a model run under torch.inference_mode, has no version counter)
         version = None if rows.is_inference() else rows._version
-        # self._acc stays as it was until the batch is folded in; a function seen updating acc
-        # in place (or not yet seen with one) works on a copy, so a batch it fails on leaves the
-        # accumulator untouched
+        # self._acc stays as it was until the batch is folded in: the function works on a copy
+        # at every batch, so a batch it fails on leaves the accumulator untouched. (Whether it
+        # writes into acc cannot be told beforehand, nor always after: a write through acc.data,
+        # or under inference_mode, moves no version counter. The copy also keeps a tensor that
+        # result() / state() handed out, or init=, shared by every hook point, as it is.)
         acc_in = self._acc
         if acc_in is not None and acc_in.device != rows.device and self._rows_device != rows.device:
             # as the native reduction: an accumulator that did not come from rows of this device
             # (init=, a stored state, committed rows read back from a store) follows the rows
             with torch.inference_mode(False):
                 acc_in = self._acc = acc_in.to(rows.device)
-        frozen = acc_in is not None and acc_in.is_inference() and not torch.is_inference_mode_enabled()
-        if acc_in is not None and (self._acc_shared or frozen or self._in_place or not self._seen):
+        if acc_in is not None:
             with torch.inference_mode(False):  # a normal tensor, which may be updated in place anywhere
                 acc_in = acc_in.clone()
-        acc_version = None if acc_in is None or acc_in.is_inference() else acc_in._version
         try:
             with torch.no_grad():
                 out = self._fn(acc_in, rows.detach())
@@ -461,18 +455,11 @@ class EagerReduction(_C.Reduction):
                 f"from batch to batch (one of another shape broadcasts, so the batches would not be folded in alike); "
                 f"{fix}"
             )
-        changed = acc_version is not None and acc_in._version != acc_version
-        returned = acc_in is not None and bool(acc_in.untyped_storage().nbytes()) and (
-            acc.untyped_storage().data_ptr() == acc_in.untyped_storage().data_ptr())
-        if changed or returned:
-            self._in_place = True  # (acc += ...; return acc): from the next batch on, on a copy
-        self._seen = self._seen or acc_in is not None
         if acc.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() and rows.untyped_storage().nbytes():
             acc = acc.clone()  # x itself (`return x` for the first batch) or a view of it: the model's memory
         self._acc = acc
         self._note_nonfinite(acc, rows)
         self._acc_from_state = False
-        self._acc_shared = False
         self._rows_device = rows.device
 
     def merge(self, other: "EagerReduction") -> None:
@@ -498,13 +485,11 @@ class EagerReduction(_C.Reduction):
         """``{"value": acc}``: the accumulator as ``fn`` returned it (its shape, dtype and
         device; not a copy, and later updates leave it as it is), or ``{}`` before the first
         update."""
-        self._acc_shared = True
         return {} if self._acc is None else {"value": self._acc}
 
     def state(self) -> dict[str, torch.Tensor]:
         """``{"acc": acc}`` (what :meth:`load_state` takes; not a copy, and later updates leave
         it as it is), or ``{}`` before the first update."""
-        self._acc_shared = True
         return {} if self._acc is None else {"acc": self._acc}
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -531,7 +516,6 @@ class EagerReduction(_C.Reduction):
         except (RuntimeError, NotImplementedError):
             self._acc_finite = None
         self._acc_from_state = acc is not None
-        self._acc_shared = True
         self._rows_device = None  # (moved to the rows' device at the next update)
 
     def checkpoint(self) -> None:
@@ -539,7 +523,6 @@ class EagerReduction(_C.Reduction):
         (replacing what was remembered before): a capture takes out of its reductions a forward
         its store leaves out (:meth:`restore_checkpoint`). Called by the capture, with no update
         running; the accumulator is kept, not copied (the next update works on a copy)."""
-        self._acc_shared = True
         self._checkpoint = (self._acc, self._acc_from_state, self._rows_device, self._made_nonfinite,
                             self._made_nonfinite_dev, self._acc_finite)
 
@@ -550,7 +533,6 @@ class EagerReduction(_C.Reduction):
         saved = self._checkpoint or (None, False, None, False, None, None)
         (self._acc, self._acc_from_state, self._rows_device, self._made_nonfinite, self._made_nonfinite_dev,
          self._acc_finite) = saved
-        self._acc_shared = True
 
     def undo_update(self, state: Mapping[str, torch.Tensor]) -> None:
         """Put back the state before the last :meth:`update` with what :attr:`made_nonfinite`

@@ -4110,7 +4110,9 @@ class Tracker:
         was given an ``attention_mask`` with padding that ``set_batch`` did not describe: the hook
         points starting with its ``(batch, pos)`` keep one row per sample, ``(pos, ...)`` with the
         padded positions inside, and their reductions count those positions (a hook point whose
-        first forward had another batch size too; padding as :func:`_padding_count` counts it)."""
+        first forward had another batch size too, but not a ``(1, pos, ...)`` tensor shared by the
+        batch, also where its first forward had one sample; padding as :func:`_padding_count`
+        counts it)."""
         mask = self._model_mask
         if mask is None or self._warned_model_mask or mask.is_complex():
             return
@@ -4118,13 +4120,24 @@ class Tracker:
             return  # (no padding: checked before the hook points, at every forward until warned)
         shape = tuple(mask.shape)
         stored = self.writer is not None
+
+        def shared(n: str) -> bool:
+            # (1, pos, ...) for a batch of more samples at its first call; or first seen in a forward of
+            # one sample and one row at each call since, this forward of more samples included (a
+            # per-sample hook point has recorded more rows than calls by now; one not called in this
+            # forward kept none of its padding)
+            if n in self._shared_rows:
+                return True
+            sink = self._sinks[n]
+            return self._first_shapes[n][0] == 1 and int(sink.n_rows) <= int(sink.n_calls)
+
         # (a hook point of sample rows (batch, pos, ...): its pos is the mask's in every forward, its batch this
         # forward's, whatever the first forward's was; not one shared by the batch, (1, pos, ...))
         padded = [n for n in self._sinks
                   if (stored or self._reduction_names.get(n))
                   and isinstance(self._first_shapes.get(n), tuple) and len(self._first_shapes[n]) >= 2
                   and self._first_shapes[n][1] == shape[1]
-                  and (self._first_shapes[n][0] == shape[0] or n not in self._shared_rows)
+                  and (self._first_shapes[n][0] == shape[0] or not shared(n))
                   and _token_rows_for(n, self._token_rows, self._hook_names) is not False]
         if not padded:
             return

@@ -475,6 +475,11 @@ _CLI_SPELLINGS = (
     ("The attention mask given to set_batch is (batch, pos)", "The attention mask of the tokenized text is (batch, pos)"),
     ('The attention mask given to set_batch (or taken from the input by rows="token") is (batch, pos)',
      "The attention mask of the tokenized text is (batch, pos)"),
+    # sink.cpp: a sample-row hook point whose shape follows pos (an attention map): the command
+    # pads each batch of text to its longest text, with no option of one length for every batch
+    ('pad every batch to one length (a tokenizer\'s padding="max_length", max_length=N; the token rows of the other '
+     "hook points still leave the padding out), so that its rows keep one shape, or leave it out of the capture",
+     "the command pads each batch of text to its own longest text, so leave it out of the capture"),
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),

@@ -3876,7 +3876,8 @@ class StoreWriter:
         ``part-<a>-<b>.parquet``, listed in their place in the table's crc32c; its key, or None
         (nothing written) when they are not merged: one is missing or fails its crc32c (left as
         it is for ``verify`` to name, never rewritten under a new crc32c), is no readable
-        Parquet, they decode to more than :data:`ROW_PART_MERGE_MAX_BYTES`, or the merged part
+        Parquet (or its footer says more rows than the table's ``n_rows`` leaves it, refused
+        before a value is decoded), they decode to more than :data:`ROW_PART_MERGE_MAX_BYTES`, or the merged part
         would not read back as their concatenation (the same columns, types and values).
         Raises as the backend's ``set`` does (a full disk)."""
         import pyarrow as pa
@@ -3886,13 +3887,14 @@ class StoreWriter:
         info = self._row_tables[kind]
         crcs = info.get("crc32c") or {}
         tables = []
+        n_rows = int(info.get("n_rows", 0))
         for key in group:
             raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
             want = crcs.get(key)
             if raw is None or (want is not None and F.crc32c(raw) != int(want)):
                 break
-            try:
-                tables.append(read_parquet_part(raw, b, key))
+            try:  # (no more rows than the table's n_rows leaves: Parquet allocates by what a footer says)
+                tables.append(read_parquet_part(raw, b, key, max_rows=n_rows - sum(t.num_rows for t in tables)))
             except StoreCorruptError:
                 break
             if sum(t.nbytes for t in tables) > ROW_PART_MERGE_MAX_BYTES:
@@ -3904,7 +3906,7 @@ class StoreWriter:
                 table = pa.concat_tables(tables, promote_options="default")
                 sink = io.BytesIO()
                 pq.write_table(table, sink)
-                back = read_parquet_part(sink.getvalue(), b, key)
+                back = read_parquet_part(sink.getvalue(), b, key, max_rows=table.num_rows)
                 if back.schema.equals(table.schema) and _same_values(back, table):
                     data = sink.getvalue()
             except Exception:  # noqa: BLE001 - parts pyarrow cannot join or write back: left as they are

@@ -504,6 +504,105 @@ def test_row_table_dask_workers_check_the_crc32c_of_what_they_read(tmp_path):
         ddf.compute(scheduler="sync")
 
 
+def _two_part_store(path: Path) -> list[str]:
+    """96 float32 rows of ``HP`` and a sample row table of two parts of 48 rows, each written
+    again in row groups of 16 rows, its crc32c recorded. The parts' keys."""
+    import google_crc32c
+    import pyarrow.parquet as pq
+    import torch
+
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(path, chunk_rows=16, shard_bytes=16 * FEATURE * 4)  # (48 rows: whole shards, committed)
+    a = w.open_array(HP, (FEATURE,), torch.float32, "sample")
+    for first in (0, 48):
+        a.append(torch.arange(first * FEATURE, (first + 48) * FEATURE, dtype=torch.float32).reshape(48, FEATURE))
+        w.add_batch(48, list(range(first, first + 48)), None, {"label": torch.arange(48) % 3})
+        w._core.drain()  # (the shards written: a commit takes the forwards whose rows are durable)
+        w.commit()
+    w.close()
+    keys = json.loads((path / "zarr.json").read_text())["attributes"]["activationscope"]["row_tables"]["sample"]["parts"]
+    assert len(keys) == 2
+    for key in keys:
+        pq.write_table(pq.read_table(path / key), path / key, row_group_size=16)
+        crc = int(google_crc32c.value((path / key).read_bytes()))
+        edit_root(path, lambda a, key=key, crc=crc: a["row_tables"]["sample"]["crc32c"].update({key: crc}))
+    return keys
+
+
+def _lie_about_rows(path: Path, key: str, first_group: int, *, record_crc: bool = True) -> None:
+    """Part ``key``'s footer saying its first row group holds ``first_group`` rows (its columns
+    as many values, the file as many rows as its groups together): a footer that agrees with
+    itself. Its crc32c recorded again, or (``record_crc`` False) none recorded."""
+    import google_crc32c
+
+    from parquet_footer import lying_row_counts
+
+    raw = (path / key).read_bytes()
+    (path / key).write_bytes(lying_row_counts(raw, {0: first_group}, file_rows=first_group + 32, values=True))
+    crc = int(google_crc32c.value((path / key).read_bytes()))
+    edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].update({key: crc}) if record_crc
+              else a["row_tables"]["sample"]["crc32c"].pop(key, None))
+
+
+def _spy_on_decoding(monkeypatch) -> list:
+    """The names of the ParquetFile reads that decode values, as they are called."""
+    import pyarrow.parquet as pq
+
+    decoded: list = []
+    for name in ("read", "read_row_group"):
+        def spy(self, *args, _read=getattr(pq.ParquetFile, name), _name=name, **kwargs):
+            decoded.append(_name)
+            return _read(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    return decoded
+
+
+def test_row_table_dask_refuses_a_footer_of_more_rows_than_the_table_leaves_before_decoding(tmp_path, monkeypatch):
+    """Two parts whose footers each agree with themselves and sum to the table's n_rows, the
+    first saying 2**24 + 48 rows, the second 48 - 2**24: the graph was made (only the sum was
+    checked) and the worker had Parquet decode the first by its footer's count. Store.row_table
+    refuses it before a value is decoded; now the graph's footers are checked as it checks them."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    keys = _two_part_store(path)
+    assert row_table_dask(str(path)).compute(scheduler="sync")["label"].tolist() == [i % 3 for i in range(48)] * 2
+    big = 2**24
+    _lie_about_rows(path, keys[0], big + 16)
+    _lie_about_rows(path, keys[1], 16 - big)
+    decoded = _spy_on_decoding(monkeypatch)
+    said = (rf"row table 'sample': part '{keys[0]}' says in its footer that it holds {big + 48} rows, more than the "
+            r"96 rows the table's metadata \(n_rows\) leaves for it")
+    with pytest.raises(StoreCorruptError, match=said):
+        row_table_dask(str(path)).compute(scheduler="sync")
+    with pytest.raises(StoreCorruptError, match=f"row-table part '{keys[0]}' says in its footer that it holds"):
+        open_store(path).row_table("sample")
+    assert decoded == [], "a part whose footer lies was decoded"
+
+
+def test_row_table_dask_workers_refuse_a_part_of_more_rows_than_its_footer_said_before_decoding(tmp_path, monkeypatch):
+    """The graph made first; a part without a recorded crc32c then replaced by one whose footer
+    (agreeing with itself) says 2**24 + 32 rows: the worker read it with no bound but the
+    footer's own, Parquet allocating by that count. Now it is refused naming the part, before
+    a value is decoded, by the rows its footer said when the graph was made."""
+    pytest.importorskip("dask.dataframe")
+    from activationscope.analysis.dask import row_table_dask
+
+    path = tmp_path / "s.zarr"
+    keys = _two_part_store(path)
+    edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].pop(keys[1]))
+    ddf = row_table_dask(str(path))
+    _lie_about_rows(path, keys[1], 2**24, record_crc=False)
+    decoded = _spy_on_decoding(monkeypatch)
+    with pytest.raises(StoreCorruptError, match=rf"row-table part '{keys[1]}' says in its footer that it holds "
+                                                rf"{2**24 + 32} rows, more than the 48 rows"):
+        ddf.partitions[1].compute(scheduler="sync")
+    assert decoded == [], "a part whose footer lies was decoded"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "footer"])
 def test_row_table_dask_names_a_part_without_a_readable_footer(tmp_path, damage):
     """A part cut short or with its footer overwritten: StoreCorruptError naming the part

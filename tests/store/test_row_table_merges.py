@@ -389,3 +389,40 @@ def test_a_reader_whose_parts_are_merged_again_at_every_read_is_told_to_refresh(
                                          r"while they were read .* call store.refresh\(\)"):
         st.row_table("sample")
     assert roots[0] == 3
+
+
+def test_a_merge_refuses_a_part_whose_footer_says_more_rows_than_the_table_holds_before_decoding(tmp_path,
+                                                                                                 monkeypatch):
+    """A listed part replaced, its crc32c as the writer holds it matching, by one whose footer
+    agrees with itself but says 2**24 rows: the merge read it with no bound but the footer's
+    own (Parquet allocating each column by that count), where a reader bounds each part by the
+    table's n_rows. Now the merge refuses it before a value is decoded and leaves the parts as
+    they are; the capture goes on."""
+    import pyarrow.parquet as pq
+    from parquet_footer import lying_row_counts
+
+    from activationscope.store import _format as F
+
+    path = tmp_path / "s.zarr"
+    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
+    c = merge_child.Capture(str(path))
+    for i in range(4):
+        c.forward(i, 100)
+    info = c.w._row_tables["sample"]
+    group = list(info["parts"])
+    assert len(group) == 4 and info["n_rows"] == 8
+    raw = (path / group[1]).read_bytes()
+    lie = lying_row_counts(raw, {0: 2**24}, file_rows=2**24, values=True)
+    (path / group[1]).write_bytes(lie)
+    info["crc32c"][group[1]] = F.crc32c(lie)
+    decoded = []
+    for name in ("read", "read_row_group"):
+        def spy(self, *args, _read=getattr(pq.ParquetFile, name), _name=name, **kwargs):
+            decoded.append(_name)
+            return _read(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, name, spy)
+    assert c.w._merged_part("sample", group, (0, 3)) is None
+    assert decoded == ["read"], "a part whose footer lies was decoded"  # (the first part's only)
+    assert info["parts"] == group and not (path / "rows/sample/part-000000-000003.parquet").exists()
+    c.w.abort(RuntimeError("stopped"))
