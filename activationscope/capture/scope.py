@@ -1844,8 +1844,7 @@ class Tracker:
                         self.writer.close(status="incomplete")
                     except BaseException:  # noqa: BLE001
                         self.writer.abort(e)
-                    if not self._remove_unused_store(e):
-                        self._note_put_back(e)
+                    self._settle_unused_store(e)
                     raise
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
@@ -1905,9 +1904,7 @@ class Tracker:
                 try:
                     self.writer.close(status=status)
                 except BaseException as e:
-                    # (a first commit that failed: no row to resume; overwrite=True: the old store back)
-                    if not self._remove_unused_store(e):
-                        self._note_put_back(e)
+                    self._settle_unused_store(e)  # (a first commit that failed: no row to resume)
                     raise
                 self._warn_silent(silent)
                 return
@@ -1927,8 +1924,7 @@ class Tracker:
                     )
                 self.writer.abort(exc)
             self._note_lost_store(exc)
-            if not self._remove_unused_store(exc):
-                self._note_put_back(exc)
+            self._settle_unused_store(exc)
             return
         self._warn_silent(silent)
 
@@ -1945,6 +1941,13 @@ class Tracker:
             f"the store {self.writer.path!r} was moved, removed or replaced while this capture wrote it ({why}): "
             "the rows it committed are in the store's folder wherever it went (moved: resume=True there continues "
             "them; removed: they are gone), and nothing more was written at that path")
+
+    def _settle_unused_store(self, exc: BaseException) -> None:
+        """After a failed capture whose writer is closed or aborted: the store it made removed
+        when it holds no committed row (:meth:`_remove_unused_store`), else the note that the
+        store ``overwrite=True`` was to replace was put back (:meth:`_note_put_back`)."""
+        if not self._remove_unused_store(exc):
+            self._note_put_back(exc)
 
     def _note_put_back(self, exc: BaseException) -> None:
         """After a failed capture with ``overwrite=True`` that committed no row: the store it was
