@@ -3106,16 +3106,19 @@ class Tracker:
         tracked modules (about 20 us at 500 modules, where comparing every hook set costs about
         150 us); True means :meth:`_probe_new_hooks` compares the hook sets."""
         modules, counts = self._hook_counts
-        try:  # (a dict put in place of a module's own too)
-            return list(map(len, map(_FORWARD_HOOKS, modules))) != counts or self._hooks_since(self._hook_id_seen)
+        dicts = list(map(_FORWARD_HOOKS, modules))  # (a dict put in place of a module's own too)
+        try:
+            return list(map(len, dicts)) != counts or self._hooks_since(self._hook_id_seen, dicts)
         except TypeError:  # a key that is not a handle id (put there by hand): compare the sets
             return True
 
-    def _hooks_since(self, since: int) -> bool:
+    def _hooks_since(self, since: int, dicts: Any = None) -> bool:
         """Whether a tracked module (of :meth:`_note_forward_hooks`), or the global forward
         hooks, hold a forward hook registered since torch's hook counter was ``since`` (handle
-        ids only grow). TypeError: a hook dict holds a key that is not a handle id."""
-        dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
+        ids only grow). ``dicts``: the tracked modules' hook dicts where the caller has them
+        already. TypeError: a hook dict holds a key that is not a handle id."""
+        if dicts is None:
+            dicts = map(_FORWARD_HOOKS, self._hook_counts[0])
         return (max(torch.nn.modules.module._global_forward_hooks, default=-1) >= since
                 or max(map(max, filter(None, dicts)), default=-1) >= since)
 
