@@ -4830,14 +4830,15 @@ def _padding_count(mask: torch.Tensor) -> torch.Tensor:
     zero = mask == 0
     if not mask.is_floating_point():
         return zero.sum()
-    return torch.where(_is_binary(mask), zero.sum(), (mask < 0).sum())
+    return torch.where(_is_binary(mask, zero), zero.sum(), (mask < 0).sum())
 
 
-def _is_binary(mask: torch.Tensor) -> torch.Tensor:
+def _is_binary(mask: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
     """Whether the floating-point ``mask`` holds 0s and 1s only, one 1 at least (a 0 / 1 mask,
-    not an additive one), as a bool 0-dim tensor on its device (no wait for the device)."""
+    not an additive one), as a bool 0-dim tensor on its device (no wait for the device).
+    ``zero``: ``mask == 0`` where the caller has it already."""
     one = mask == 1
-    return ((mask == 0) | one).all() & one.any()
+    return ((mask == 0 if zero is None else zero) | one).all() & one.any()
 
 
 def _padding_value(mask: torch.Tensor) -> str:
