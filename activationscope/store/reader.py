@@ -3194,12 +3194,13 @@ class Store:
         dist = self._attrs.get("distributed")
         by_rank = isinstance(dist, dict) and dist.get("committed") is True
         order = (0, None)  # (rows before the part, the batch of the last row) of the parts read
-        n_rows = info.get("n_rows")
+        # (a part's footer never says it holds more rows than the table has left: Parquet
+        # allocates by what it says; each part read takes its rows off, None: no bound)
+        left = info.get("n_rows") if isinstance(info.get("n_rows"), int) else None
         with self._reads_of_the_opened_run():  # (the root checked once the parts are read)
             for key in info.get("parts", []):
-                # (a part's footer never says it holds more rows than the table has left: Parquet
-                # allocates by what it says)
-                left = n_rows - sum(t.num_rows for t in tables) if isinstance(n_rows, int) else None
+                if left is not None and tables:
+                    left -= tables[-1].num_rows  # (the part before: each part read appends one table)
                 raw = self._backend.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:
                     later = self._later_row_table(kind, info, tries)
