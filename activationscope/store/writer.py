@@ -3685,14 +3685,14 @@ class StoreWriter:
         """Whether the root at the path is one this writer wrote that replaces the old store (a
         forward listed, or a close's ``complete``): a commit cut short after writing it (a
         Ctrl-C, a failure) and before settling the old store aside; that one then goes, as after
-        the commit, never put back over the new store's committed rows."""
+        the commit (FORMAT.md section 7: :func:`_format.settled_replaced`), never put back over
+        the new store's committed rows."""
         try:
             raw = self._backend.get("zarr.json", max_bytes=V.MAX_JSON_BYTES)
             attrs = json.loads(raw)["attributes"][F.ATTRS_KEY]
+            return isinstance(attrs, dict) and attrs.get("run_id") == self._run_id and F.settled_replaced(attrs)
         except (TypeError, KeyError, ValueError, RecursionError, OSError, StoreError):
             return False
-        return (isinstance(attrs, dict) and attrs.get("run_id") == self._run_id
-                and (bool(attrs.get("n_batches")) or attrs.get("status") == "complete"))
 
     def _finish_delete(self) -> None:
         """Before the lock is released: wait for the delete of the old store an ``overwrite=True``
