@@ -4,7 +4,8 @@ PyTorch's over the batches it took, init= stays as it was, and a store holds tha
 after a resume of a capture that ended on such a batch. TorchScript and eager functions, writing
 into acc in place, through acc.data, into a view of it, into a temporary only or into nothing,
 and one returning another dtype (refused at every batch given an accumulator); a reduction used
-directly, a capture in memory, into a store, and a store resumed."""
+directly, a capture in memory, into a store of rows or of reductions only (committing after every
+forward or at the close), and a store of reductions only resumed."""
 
 from __future__ import annotations
 
@@ -190,13 +191,14 @@ def _track(mode, scope, model, xs, refused, new: bool = True) -> None:
             _feed(model, xs, refused)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(fn=st.sampled_from(PROGRAMS), with_init=st.booleans(),
        sizes=st.lists(st.sampled_from([1, 2, 3, 5]), min_size=1, max_size=6),
-       where=st.sampled_from(["direct", "memory", "store", "resume"]), inference=st.booleans())
+       where=st.sampled_from(["direct", "memory", "store", "rows store", "resume"]), inference=st.booleans(),
+       commit=st.sampled_from([0, 3600]))
 def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_factory, fn, with_init, sizes, where,
-                                                                       inference):
+                                                                       inference, commit):
     """A function that raised on a batch (after writing into acc, seen by a version counter or
     not) or returned another dtype left nothing of that batch in the accumulator: the result is
     plain PyTorch's over the batches it took, in every way of running it, each result or state
@@ -236,8 +238,9 @@ def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_f
         else:
             path = tmp_path_factory.mktemp("s") / "s.zarr"
             streaming = acs.ReductionPolicy.STREAMING
+            policy = {} if where == "rows store" else {"reduction_policy": streaming}  # (rows kept, or reductions only)
             scope = acs.ActivationScope(store=str(path), reductions={"0.output": [("s", fn, options)]},
-                                        reduction_policy=streaming, store_options={"commit_interval": 3600})
+                                        store_options={"commit_interval": commit, "shard_rows": 4}, **policy)
             cut = refused.index(True) if where == "resume" and True in refused else None
             if cut is None:
                 _track(mode, scope, model, xs, refused)
