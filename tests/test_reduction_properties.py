@@ -1,6 +1,7 @@
 """A randomized check of a custom reduction's accumulator over batches some of which its function
 refuses (raises on, after writing into acc in whatever way it does): the statistic equals plain
-PyTorch's over the batches it took, init= stays as it was, and a store holds that statistic, also
+PyTorch's over the batches it took, init= stays as it was (a tensor, or an array it was made over
+by torch.from_numpy), and a store holds that statistic, also
 after a resume of a capture that ended on such a batch. TorchScript and eager functions, writing
 into acc in place, through acc.data, into a view of it, into a temporary only or into nothing,
 and one returning another dtype (refused at every batch given an accumulator); a reduction used
@@ -13,6 +14,7 @@ import contextlib
 import warnings
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def _track(mode, scope, model, xs, refused, new: bool = True) -> None:
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-@given(fn=st.sampled_from(PROGRAMS), with_init=st.booleans(),
+@given(fn=st.sampled_from(PROGRAMS), with_init=st.sampled_from([None, "tensor", "array"]),
        sizes=st.lists(st.sampled_from([1, 2, 3, 5]), min_size=1, max_size=6),
        where=st.sampled_from(["direct", "memory", "store", "rows store", "resume"]), inference=st.booleans(),
        commit=st.sampled_from([0, 3600]))
@@ -206,16 +208,19 @@ def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_f
     torch.manual_seed(len(sizes))
     model = torch.nn.Sequential(torch.nn.Linear(3, D)).eval()
     xs = [torch.randn(n, 3) for n in sizes]
-    init = torch.full((D,), 100.0, dtype=torch.float64) if with_init else None
+    # (init= as a tensor the caller holds, or over an array it holds: torch.from_numpy, the tensor dropped)
+    array = np.full(D, 100.0)
+    init = None if with_init is None else torch.from_numpy(array).clone() if with_init == "tensor" else None
     with torch.no_grad():
         outputs = [model(x) for x in xs]
-    refused, want = _expected(fn, outputs, init)
-    options = {"init": init} if with_init else {}
+    refused, want = _expected(fn, outputs, None if with_init is None else torch.from_numpy(array))
+    options = {} if with_init is None else {"init": init if init is not None else torch.from_numpy(array)}
     mode = torch.inference_mode if inference else torch.no_grad
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (TorchScript deprecation, eager fallback, the caught forwards)
         if where == "direct":
             r = make_reduction(fn, **options)
+            options.clear()  # (no tensor over the array is held here any more)
             held = []  # (each result handed out, with its value then: later updates leave it as it is)
             with mode():
                 for out, no in zip(outputs, refused):
@@ -225,7 +230,7 @@ def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_f
                     else:
                         r.update(out.clone(), 0)
                     value = r.result().get("value") if len(held) % 2 else r.state().get("acc")
-                    if value is not None:
+                    if value is not None and with_init != "array":  # (held, it is no memory a batch may reuse)
                         held.append((value, value.clone()))
             got = r.result().get("value")
             for value, then in held:
@@ -259,7 +264,7 @@ def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_f
                     with pytest.raises(StoreError, match="runs as eager Python"):
                         _track(mode, scope, model, xs[cut + 1:], refused[cut + 1:], new=False)
                     refused = refused[:cut + 1]
-                    _, want = _expected(fn, outputs[:cut + 1], init)
+                    _, want = _expected(fn, outputs[:cut + 1], None if with_init is None else torch.from_numpy(array))
                 else:
                     _track(mode, scope, model, xs[cut + 1:], refused[cut + 1:], new=not resume)
             if all(refused):  # (no whole forward: the store was removed)
@@ -273,3 +278,4 @@ def test_a_custom_reduction_is_plain_pytorch_over_the_batches_it_took(tmp_path_f
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9, check_dtype=False)
     if init is not None:
         assert init.tolist() == [100.0] * D
+    assert array.tolist() == [100.0] * D
