@@ -343,8 +343,11 @@ class ScriptReduction : public Reduction {
     }
     return false;
   }
+  // (an accumulator that came from outside, init= or a loaded state not yet updated, is copied
+  // too: its memory may be kept by other means than a tensor, torch.from_numpy of an array the
+  // caller holds, which no use count shows)
   void own_acc() {
-    if (acc_needs_copy()) copy_acc();
+    if (acc_needs_copy() || acc_from_state_) copy_acc();
   }
 
   // How errors name it: the name given (the function a capture compiled to a scratch file),

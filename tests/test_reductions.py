@@ -1021,6 +1021,23 @@ def test_an_in_place_accumulator_leaves_init_over_memory_the_caller_keeps_otherw
     torch.testing.assert_close(r.result()["value"], 100.0 + torch.cat(batches).double().sum(0))
 
 
+def test_a_merge_in_place_leaves_a_loaded_state_over_memory_the_caller_keeps_otherwise():
+    """A loaded state over memory the caller keeps by other means than a tensor (torch.from_numpy
+    of an array it holds, the tensor itself dropped), merged by a rule that adds in place: the
+    merge wrote into the caller's array (no use count showed it shared). Now it works on a copy."""
+    import numpy as np
+
+    array = np.full(3, 100.0)
+    r = R.make_reduction(torch.jit.script(AddInPlaceWithMerge()))
+    r.load_state({"acc": torch.from_numpy(array)})
+    other = r.fresh()
+    x = torch.randn(4, 3)
+    other.update(x)
+    r.merge(other)
+    assert array.tolist() == [100.0] * 3
+    torch.testing.assert_close(r.result()["value"], 100.0 + x.double().sum(0))
+
+
 @pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
 def test_in_place_accumulator_in_a_capture_mixing_inference_mode_and_not(fn):
     """The accumulator copied (or made) under torch.inference_mode is an inference tensor; the
