@@ -124,9 +124,17 @@ class ScriptReduction : public Reduction {
       // checkpoint (the capture's state before this forward) holds it until the next one anyway;
       // else the copy this batch was given (the function returned another tensor), the
       // accumulator before it then freed. copy_acc takes it only once no one else holds it.
+      // An accumulator that came from outside (init=, a stored or loaded state) is never taken:
+      // its memory may be kept by other means than a tensor (torch.from_numpy of an array the
+      // caller holds), which no use count shows.
       if (copy && acc_in.defined()) {
         const bool returned = acc_.has_storage() && acc_in.has_storage() && acc_.storage().is_alias_of(acc_in.storage());
-        spare_ = returned || (kept.defined() && kept.is_same(saved_acc_)) ? kept : acc_in;
+        const bool kept_ours = kept.defined() && !undo_from_state_;
+        if (returned) {
+          spare_ = kept_ours ? kept : at::Tensor();
+        } else {
+          spare_ = kept_ours && kept.is_same(saved_acc_) ? kept : acc_in;
+        }
       } else {
         spare_ = at::Tensor();
       }
@@ -335,8 +343,11 @@ class ScriptReduction : public Reduction {
     }
     return false;
   }
+  // (an accumulator that came from outside, init= or a loaded state not yet updated, is copied
+  // too: its memory may be kept by other means than a tensor, torch.from_numpy of an array the
+  // caller holds, which no use count shows)
   void own_acc() {
-    if (acc_needs_copy()) copy_acc();
+    if (acc_needs_copy() || acc_from_state_) copy_acc();
   }
 
   // How errors name it: the name given (the function a capture compiled to a scratch file),

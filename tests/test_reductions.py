@@ -997,6 +997,48 @@ def test_in_place_accumulator_is_each_reductions_own(fn):
 
 
 @pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
+@pytest.mark.parametrize("given", ["init", "load_state"])
+def test_an_in_place_accumulator_leaves_init_over_memory_the_caller_keeps_otherwise(fn, given):
+    """init= (or a loaded state) over memory the caller keeps by other means than a tensor
+    (torch.from_numpy of an array it holds, the tensor itself dropped): a TorchScript function
+    updating its copy in place and returning it had the next batch's copy written into that
+    memory (taken for an accumulator no longer in use), so the caller's array changed at the
+    second batch. Now an accumulator that came from outside is never such memory."""
+    import numpy as np
+
+    array = np.full(3, 100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", R.EagerFallbackWarning)
+        if given == "init":
+            r = R.make_reduction(fn, init=torch.from_numpy(array))
+        else:
+            r = R.make_reduction(fn, init=torch.zeros(3, dtype=torch.float64))
+            r.load_state({"acc": torch.from_numpy(array)})
+    batches = [torch.randn(n, 3) for n in (3, 4, 5, 1)]
+    for x in batches:
+        r.update(x)
+    assert array.tolist() == [100.0] * 3
+    torch.testing.assert_close(r.result()["value"], 100.0 + torch.cat(batches).double().sum(0))
+
+
+def test_a_merge_in_place_leaves_a_loaded_state_over_memory_the_caller_keeps_otherwise():
+    """A loaded state over memory the caller keeps by other means than a tensor (torch.from_numpy
+    of an array it holds, the tensor itself dropped), merged by a rule that adds in place: the
+    merge wrote into the caller's array (no use count showed it shared). Now it works on a copy."""
+    import numpy as np
+
+    array = np.full(3, 100.0)
+    r = R.make_reduction(torch.jit.script(AddInPlaceWithMerge()))
+    r.load_state({"acc": torch.from_numpy(array)})
+    other = r.fresh()
+    x = torch.randn(4, 3)
+    other.update(x)
+    r.merge(other)
+    assert array.tolist() == [100.0] * 3
+    torch.testing.assert_close(r.result()["value"], 100.0 + x.double().sum(0))
+
+
+@pytest.mark.parametrize("fn", [add_in_place, add_in_place_eager], ids=["script", "eager"])
 def test_in_place_accumulator_in_a_capture_mixing_inference_mode_and_not(fn):
     """The accumulator copied (or made) under torch.inference_mode is an inference tensor; the
     next batch outside it updates it in place, which torch refuses: it is a normal copy."""
