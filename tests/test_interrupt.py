@@ -691,21 +691,13 @@ def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tm
     assert writer_holding(B.resolve(str(path))) is None
 
 
-@pytest.mark.parametrize("again", ["close", "abort"])
-@pytest.mark.parametrize("where", [("_settle_aside", "(aside / \"zarr.json\").unlink()"),
-                                   ("__init__", "self._thread = threading.Thread("),
-                                   ("__init__", "self._thread.start()"), ("_settle_aside", "self._aside = None")],
-                         ids=["unlinking", "thread", "starting", "listed"])
-def test_ctrl_c_as_the_writer_close_starts_deleting_the_replaced_store_then_again(tmp_path, where, again):
-    # a Ctrl-C in the commit of StoreWriter.close of an overwrite=True that committed nothing before,
-    # as it began the background delete of the old store (its root committed): the writer had
-    # forgotten the folder aside before that delete was listed, so the close (or abort) called
-    # again neither deleted nor waited for it, and the .<name>.replaced-<hex> folder stayed. Now
-    # the one called again deletes it: the new store as an uninterrupted close leaves it
+def _overwrite_close_interrupted_at(tmp_path, function, text):
+    """A StoreWriter of ``overwrite=True`` over a store at ``tmp_path / "s.zarr"`` that
+    committed nothing before, given 8 sample rows of one array ``x``, whose close() a Ctrl-C cut
+    short at the first run of the line of writer.py holding ``text`` in ``function``; and
+    ``tmp_path / "want.zarr"``, the same capture closed without one: ``(writer, path, want)``."""
     from activationscope.store import StoreWriter
-    from activationscope.store import _backend as B
     from activationscope.store import writer as W
-    from activationscope.store._lock import writer_holding
 
     data = torch.randn(8, 4)
 
@@ -719,12 +711,30 @@ def test_ctrl_c_as_the_writer_close_starts_deleting_the_replaced_store_then_agai
     want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
     replaced(want).close()
     w = replaced(path)
-    at = _InterruptAtLine(W.__file__, *where, 1)
+    at = _InterruptAtLine(W.__file__, function, text, 1)
     with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
         warnings.simplefilter("ignore")
         with at:
             w.close()
     assert at.raised
+    return w, path, want
+
+
+@pytest.mark.parametrize("again", ["close", "abort"])
+@pytest.mark.parametrize("where", [("_settle_aside", "(aside / \"zarr.json\").unlink()"),
+                                   ("__init__", "self._thread = threading.Thread("),
+                                   ("__init__", "self._thread.start()"), ("_settle_aside", "self._aside = None")],
+                         ids=["unlinking", "thread", "starting", "listed"])
+def test_ctrl_c_as_the_writer_close_starts_deleting_the_replaced_store_then_again(tmp_path, where, again):
+    # a Ctrl-C in the commit of StoreWriter.close of an overwrite=True that committed nothing before,
+    # as it began the background delete of the old store (its root committed): the writer had
+    # forgotten the folder aside before that delete was listed, so the close (or abort) called
+    # again neither deleted nor waited for it, and the .<name>.replaced-<hex> folder stayed. Now
+    # the one called again deletes it: the new store as an uninterrupted close leaves it
+    from activationscope.store import _backend as B
+    from activationscope.store._lock import writer_holding
+
+    w, path, want = _overwrite_close_interrupted_at(tmp_path, *where)
     getattr(w, again)()
     _same_store(path, want)
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
@@ -740,29 +750,10 @@ def test_ctrl_c_after_the_root_of_an_overwrite_close_then_abort_keeps_the_new_st
     # deleting the old store, then an abort (a tracker's after a Ctrl-C in its close, or one
     # called): the old store was put back in place of the new one, which had committed, and the
     # new rows were lost. Now the old store goes, as after an uninterrupted close
-    from activationscope.store import StoreWriter
     from activationscope.store import _backend as B
-    from activationscope.store import writer as W
     from activationscope.store._lock import writer_holding
 
-    data = torch.randn(8, 4)
-
-    def replaced(path):
-        _writer_left_open(path).close()
-        w = StoreWriter(str(path), overwrite=True, commit_interval=0)
-        w.open_array("x", (4,), torch.float32, "sample").append(data)
-        w.add_batch(8)
-        return w
-
-    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
-    replaced(want).close()
-    w = replaced(path)
-    at = _InterruptAtLine(W.__file__, "_commit_now", text, 1)
-    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
-        warnings.simplefilter("ignore")
-        with at:
-            w.close()
-    assert at.raised
+    w, path, want = _overwrite_close_interrupted_at(tmp_path, "_commit_now", text)
     getattr(w, again)()
     _same_store(path, want)
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))

@@ -2167,6 +2167,19 @@ def add_then_refuse_eager(acc, x):
     return acc
 
 
+def _update_refusing_size_2(r, sizes):
+    """``r.update`` with a random (n, 3) batch of each size, the function refusing (raising
+    after its update) each batch of 2 rows; the float64 sum of the batches it kept, (3,)."""
+    batches = [torch.randn(n, 3) for n in sizes]
+    for x in batches:
+        if x.shape[0] == 2:
+            with pytest.raises(CaptureError, match="refused after the update"):
+                r.update(x)
+        else:
+            r.update(x)
+    return torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+
+
 @pytest.mark.parametrize("fn", [add_then_refuse, add_then_refuse_eager], ids=["script", "eager"])
 @pytest.mark.parametrize("sizes", [(3, 5, 2, 4), (3, 2, 5, 4)], ids=["later", "first-in-place"])
 def test_a_custom_reduction_that_updates_in_place_then_raises_keeps_its_accumulator(fn, sizes):
@@ -2176,14 +2189,7 @@ def test_a_custom_reduction_that_updates_in_place_then_raises_keeps_its_accumula
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", R.EagerFallbackWarning)
         r = R.make_reduction(fn)
-    batches = [torch.randn(n, 3) for n in sizes]
-    for x in batches:
-        if x.shape[0] == 2:
-            with pytest.raises(CaptureError, match="refused after the update"):
-                r.update(x)
-        else:
-            r.update(x)
-    want = torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+    want = _update_refusing_size_2(r, sizes)
     torch.testing.assert_close(r.result()["value"], want)
 
 
@@ -2219,14 +2225,7 @@ def test_a_custom_reduction_that_writes_through_acc_data_then_raises_keeps_its_a
         warnings.simplefilter("ignore", R.EagerFallbackWarning)
         r = R.make_reduction(fn)
     assert r.kind == ("eager" if fn is add_through_data_then_refuse_eager else "script")
-    batches = [torch.randn(n, 3) for n in sizes]
-    for x in batches:
-        if x.shape[0] == 2:
-            with pytest.raises(CaptureError, match="refused after the update"):
-                r.update(x)
-        else:
-            r.update(x)
-    want = torch.cat([x for x in batches if x.shape[0] != 2]).double().sum(0)
+    want = _update_refusing_size_2(r, sizes)
     torch.testing.assert_close(r.result()["value"], want)
 
 

@@ -545,20 +545,6 @@ def _lie_about_rows(path: Path, key: str, first_group: int, *, record_crc: bool 
               else a["row_tables"]["sample"]["crc32c"].pop(key, None))
 
 
-def _spy_on_decoding(monkeypatch) -> list:
-    """The names of the ParquetFile reads that decode values, as they are called."""
-    import pyarrow.parquet as pq
-
-    decoded: list = []
-    for name in ("read", "read_row_group"):
-        def spy(self, *args, _read=getattr(pq.ParquetFile, name), _name=name, **kwargs):
-            decoded.append(_name)
-            return _read(self, *args, **kwargs)
-
-        monkeypatch.setattr(pq.ParquetFile, name, spy)
-    return decoded
-
-
 def test_row_table_dask_refuses_a_footer_of_more_rows_than_the_table_leaves_before_decoding(tmp_path, monkeypatch):
     """Two parts whose footers each agree with themselves and sum to the table's n_rows, the
     first saying 2**24 + 48 rows, the second 48 - 2**24: the graph was made (only the sum was
@@ -573,7 +559,9 @@ def test_row_table_dask_refuses_a_footer_of_more_rows_than_the_table_leaves_befo
     big = 2**24
     _lie_about_rows(path, keys[0], big + 16)
     _lie_about_rows(path, keys[1], 16 - big)
-    decoded = _spy_on_decoding(monkeypatch)
+    from parquet_footer import spy_decodes
+
+    decoded = spy_decodes(monkeypatch)
     said = (rf"row table 'sample': part '{keys[0]}' says in its footer that it holds {big + 48} rows, more than the "
             r"96 rows the table's metadata \(n_rows\) leaves for it")
     with pytest.raises(StoreCorruptError, match=said):
@@ -596,7 +584,9 @@ def test_row_table_dask_workers_refuse_a_part_of_more_rows_than_its_footer_said_
     edit_root(path, lambda a: a["row_tables"]["sample"]["crc32c"].pop(keys[1]))
     ddf = row_table_dask(str(path))
     _lie_about_rows(path, keys[1], 2**24, record_crc=False)
-    decoded = _spy_on_decoding(monkeypatch)
+    from parquet_footer import spy_decodes
+
+    decoded = spy_decodes(monkeypatch)
     with pytest.raises(StoreCorruptError, match=rf"row-table part '{keys[1]}' says in its footer that it holds "
                                                 rf"{2**24 + 32} rows, more than the 48 rows"):
         ddf.partitions[1].compute(scheduler="sync")

@@ -258,17 +258,23 @@ def test_a_new_store_removed_after_a_failure_says_to_start_again_not_resume(tmp_
     assert not path.exists()
 
 
+def _complete_store(path):
+    """A complete store of the test model's N batches at ``path``: ``(model, xs, its
+    fc2.output rows)``, the rows (N * B, d) read back."""
+    model, xs = _model_and_data()
+    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
+        for x in xs:
+            model(x)
+    return model, xs, open_store(path)["fc2.output"].clone()
+
+
 def test_an_overwrite_that_committed_nothing_says_the_earlier_store_is_kept_not_its_rows(tmp_path):
     """overwrite=True over a whole store, and the disk fills before the new capture commits: the
     earlier store is put back, and the error said only that "rows committed before the failure
     stay readable (open_store), and resume=True continues from them", which open_store then
     seemed to confirm with the earlier capture's rows, status complete."""
     path = tmp_path / "s.zarr"
-    model, xs = _model_and_data()
-    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
-        for x in xs:
-            model(x)
-    before = open_store(path)["fc2.output"].clone()
+    model, xs, before = _complete_store(path)
     with pytest.raises(StoreError) as e:
         with acs.ActivationScope(store=str(path), store_options={"overwrite": True}).track(model), torch.no_grad():
             raise StoreError("writing shard failed: No space left on device (ENOSPC); rows committed before the "
@@ -289,11 +295,7 @@ def test_an_overwrite_whose_close_did_not_fit_says_the_earlier_store_is_kept_not
     resume=True continues from the committed rows, so that a resume continued the earlier store
     with this capture's rows."""
     path = tmp_path / "s.zarr"
-    model, xs = _model_and_data()
-    with acs.ActivationScope(store=str(path)).track(model), torch.no_grad():
-        for x in xs:
-            model(x)
-    before = open_store(path)["fc2.output"].clone()
+    model, xs, before = _complete_store(path)
     failure = _fail_renames(monkeypatch, "manifest.json", armed=False)
     with pytest.raises(StoreError) as e:
         with acs.ActivationScope(store=str(path), store_options={"overwrite": True}).track(model), torch.no_grad():
