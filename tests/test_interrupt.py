@@ -680,15 +680,21 @@ def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tm
     w.add_batch(4)
     module, *line = where
     at = _InterruptAtLine({"_backend": B, "writer": W}[module].__file__, *line)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with at:
-            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
-        assert at.raised
-        getattr(w, again)()
+    _discard_interrupted_then(w, at, again)
     _same_store(path, want)
     assert not list(tmp_path.glob(".s.zarr.replaced-*"))
     assert writer_holding(B.resolve(str(path))) is None
+
+
+def _discard_interrupted_then(w, at, again):
+    """``w.discard()`` under the Ctrl-C ``at`` (which must fire; discard never raises: the
+    Ctrl-C is taken in its clean-up), then ``w.<again>()``, warnings ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            w.discard()
+        assert at.raised
+        getattr(w, again)()
 
 
 def _overwrite_close_interrupted_at(tmp_path, function, text):
@@ -786,12 +792,7 @@ def test_ctrl_c_as_the_writer_discard_puts_kept_files_back_then_again(tmp_path, 
     w.add_batch(12, list(range(36, 48)))
     w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
     at = _InterruptAtLine(W.__file__, *where, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with at:
-            w.discard()  # (never raises: the Ctrl-C is taken in its clean-up)
-        assert at.raised
-        getattr(w, again)()
+    _discard_interrupted_then(w, at, again)
     assert _files(path) == found
     assert writer_holding(B.resolve(str(path))) is None
 
