@@ -797,6 +797,54 @@ def test_ctrl_c_as_the_writer_discard_puts_kept_files_back_then_again(tmp_path, 
     assert writer_holding(B.resolve(str(path))) is None
 
 
+@pytest.mark.parametrize("again", ["discard", "abort"])
+def test_ctrl_c_at_each_line_of_the_writer_discard_of_a_resume_then_again(tmp_path, again):
+    # a Ctrl-C at each line of StoreWriter.discard of a resume (rows and a reduction given, none
+    # committed): one in its try body was turned into a warning with an empty text, the lock
+    # released, and the discard called again did nothing: the store kept this run's root document
+    # (its time, its status), not the one found. Now the discard cut short keeps the lock and what
+    # it needs, warns to call it again, and discard() (or abort(), once it was cut short) called
+    # again puts the store back as found (every file's bytes)
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    def resumed(path):
+        _writer_left_open(path).close()  # (complete: the root this run writes is not the one found)
+        found = _files(path)
+        w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
+        for i, hp in enumerate(("a", "b")):
+            w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(20, 8) + i)
+        w.add_batch(20, list(range(36, 56)))
+        w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+        return w, found
+
+    w, _ = resumed(tmp_path / "counted.zarr")
+    with _InterruptInFunction(W.__file__, ("discard",), None) as counted:
+        w.discard()
+    assert counted.n > 5
+    for k in range(1, counted.n + 1):
+        path = tmp_path / f"{k}.zarr"
+        w, found = resumed(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with _InterruptInFunction(W.__file__, ("discard",), k):
+                    w.discard()
+            except KeyboardInterrupt:
+                pass
+        assert not [c for c in caught if "putting it back as found failed" in str(c.message)], k
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            getattr(w, again)()
+        cut_short = any("call discard() again" in str(c.message) for c in caught)
+        if again == "discard" or cut_short:  # (an abort before the discard began commits this run's rows)
+            assert _files(path) == found, k
+        assert acs.open_store(path).verify() == [], k
+        assert writer_holding(B.resolve(str(path))) is None, k
+
+
 def _files(path) -> dict[str, bytes]:
     """Every file of the store at ``path`` (but its writer lock) and its bytes."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))

@@ -1280,6 +1280,7 @@ class StoreWriter:
             self._closed = True  # until the end of __init__: __del__ and close() do nothing
             self._settling = False  # closed, and not yet let go of the lock (_settle_interrupted)
             self._closing: str | None = None  # the status of a close a Ctrl-C cut short before its commit
+            self._discarding = False  # a discard a Ctrl-C cut short before the store was put back as found
             self._lost: str | None = None  # why the store at the path is no longer this writer's (_check_still_held)
             self._aside: Path | None = None  # overwrite: the old store, until the new one commits
             self._aside_cleared = False  # its put-back removed the new store's files (_settle_aside)
@@ -3613,14 +3614,14 @@ class StoreWriter:
         (local stores; after the temporary files go, :meth:`_cleanup`)."""
         if self._found_files is None:
             return []
-        files = dict(self._found_files)
         local = isinstance(self._backend, LocalBackend)
         if local:  # shards finished since the last commit: already in the store (remote: in the staging folder)
-            for a in self._arrays.values():
+            for a in self._arrays.values():  # (kept in _found_files: a discard cut short removes them when called again)
                 listed = self._listed_shards(a)
                 for rec in a.writer.take_durable():
                     if int(rec["shard"]) >= listed:
-                        files.setdefault(F.shard_key(a.path, int(rec["shard"]), len(a.feature_shape)), None)
+                        self._found_files.setdefault(F.shard_key(a.path, int(rec["shard"]), len(a.feature_shape)), None)
+        files = dict(self._found_files)
         for key, raw in files.items():
             if raw is None:
                 self._backend.delete(key)
@@ -4823,38 +4824,50 @@ class StoreWriter:
         to this writer are dropped. Until this run commits a batch, the files it made that the
         found store does not list (shards, documents of new arrays) are removed too, and the
         documents its commits rewrote get their found bytes back: the store's files are the
-        found ones. Never raises (failures are warned about). Without a store to go back to
-        (a new store), the same as :meth:`abort`."""
+        found ones. Never raises (failures are warned about). A Ctrl-C that cuts the put-back
+        short is warned about and leaves the lock held with what the put-back needs: called
+        again (or :meth:`close`, :meth:`abort`), it finishes putting the store back as found.
+        Without a store to go back to (a new store), the same as :meth:`abort`."""
         if self._other_process():  # a forked copy: the store is its owner's; nothing is done
             return
         if self._found_root is None:
             self.abort()
             return
         with self._lock:
-            if self._closed:
+            if self._closed and not self._discarding:
                 self._settle_interrupted_quietly()
                 return
             empty: list[Path] = []
-            self._closed = self._settling = True  # (the last line before the try)
+            pending = False
+            self._closed = self._settling = self._discarding = True  # (the last line before the try)
             try:
-                self._stop_threads()
+                self._stop_threads_left_running()
                 self._check_still_held()  # (the store there now is not the one found: left as it is)
                 self._drop_kept_reductions(restore=True)
                 self._backend.set("zarr.json", self._found_root)
                 empty = self._put_back_found_files()
                 # after the found manifests went back: a rewrite they do not list is never kept
                 self._drop_kept_shards(restore=True)
+                self._discarding = False
+            except KeyboardInterrupt:
+                # (the lock stays held and what the put-back needs kept: discard() called again finishes it)
+                pending = self._discarding
+                if pending:
+                    warn_at_caller(f"store {str(self._backend)!r}: a Ctrl-C cut short putting it back as found; "
+                                   "its writer still holds it: call discard() again to finish", RuntimeWarning)
             except BaseException as e:  # noqa: BLE001 - the refusal stays the error the caller sees
-                warn_at_caller(f"store {str(self._backend)!r}: putting it back as found failed: {e}",
+                self._discarding = False
+                warn_at_caller(f"store {str(self._backend)!r}: putting it back as found failed: {e!r}",
                                RuntimeWarning)
             finally:
-                try:
+                if not pending:
                     try:
-                        self._finish_delete()  # (what an earlier overwrite's delete left: before the lock goes)
-                    finally:
-                        self._cleanup(remove_if_empty=empty)
-                except BaseException:  # noqa: BLE001
-                    pass
+                        try:
+                            self._finish_delete()  # (what an earlier overwrite's delete left: before the lock goes)
+                        finally:
+                            self._cleanup(remove_if_empty=empty)
+                    except BaseException:  # noqa: BLE001
+                        pass
 
     def _settle_interrupted_quietly(self) -> None:
         """:meth:`_settle_interrupted` where one is due (``_settling``), else the wait for the
@@ -4876,7 +4889,11 @@ class StoreWriter:
         background delete waited for, the temporary files removed and the lock released, in
         that order, as the interrupted one would have. Nothing more is committed: the store is
         left at its last commit, which ``resume=True`` continues (a close cut short before its
-        commit is given up: only :meth:`close` called again commits it)."""
+        commit is given up: only :meth:`close` called again commits it). A discard cut short is
+        finished as :meth:`discard` called again."""
+        if self._discarding:
+            self.discard()
+            return
         self._closing = None
         self._stop_threads_left_running()
         if self._aside is not None:  # (the new store committed no forward: the old one back)
