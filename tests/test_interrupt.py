@@ -686,6 +686,22 @@ def test_ctrl_c_as_the_writer_discard_puts_the_replaced_store_back_then_again(tm
     assert writer_holding(B.resolve(str(path))) is None
 
 
+def _resumed_writer(path, rows, status):
+    """A StoreWriter resuming the store of :func:`_writer_left_open` at ``path`` (closed with
+    ``status``), given ``rows`` more sample rows of arrays ``a`` and ``b`` and a mean reduction
+    of ``a``, none committed; and the store's files as found (:func:`_files`): ``(writer, found)``."""
+    from activationscope.store import StoreWriter
+
+    _writer_left_open(path).close(status)
+    found = _files(path)
+    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
+    for i, hp in enumerate(("a", "b")):
+        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(rows, 8) + i)
+    w.add_batch(rows, list(range(36, 36 + rows)))
+    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    return w, found
+
+
 def _discard_interrupted_then(w, at, again):
     """``w.discard()`` under the Ctrl-C ``at`` (which must fire; discard never raises: the
     Ctrl-C is taken in its clean-up), then ``w.<again>()``, warnings ignored."""
@@ -778,19 +794,12 @@ def test_ctrl_c_as_the_writer_discard_puts_kept_files_back_then_again(tmp_path, 
     # again left that file in the store (.committed.tmp) and, for a reduction, the rewrite at its
     # key, which the root, put back as found, does not list. Now each is kept until it is back:
     # the store's files are the found ones
-    from activationscope.store import StoreWriter
     from activationscope.store import _backend as B
     from activationscope.store import writer as W
     from activationscope.store._lock import writer_holding
 
     path = tmp_path / "s.zarr"
-    _writer_left_open(path).close("incomplete")
-    found = _files(path)
-    w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
-    for i, hp in enumerate(("a", "b")):
-        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(12, 8) + i)
-    w.add_batch(12, list(range(36, 48)))
-    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    w, found = _resumed_writer(path, 12, "incomplete")
     at = _InterruptAtLine(W.__file__, *where, 1)
     _discard_interrupted_then(w, at, again)
     assert _files(path) == found
@@ -805,20 +814,12 @@ def test_ctrl_c_at_each_line_of_the_writer_discard_of_a_resume_then_again(tmp_pa
     # (its time, its status), not the one found. Now the discard cut short keeps the lock and what
     # it needs, warns to call it again, and discard() (or abort(), once it was cut short) called
     # again puts the store back as found (every file's bytes)
-    from activationscope.store import StoreWriter
     from activationscope.store import _backend as B
     from activationscope.store import writer as W
     from activationscope.store._lock import writer_holding
 
-    def resumed(path):
-        _writer_left_open(path).close()  # (complete: the root this run writes is not the one found)
-        found = _files(path)
-        w = StoreWriter(str(path), chunk_rows=4, shard_rows=16, commit_interval=0, resume=True)
-        for i, hp in enumerate(("a", "b")):
-            w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(20, 8) + i)
-        w.add_batch(20, list(range(36, 56)))
-        w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
-        return w, found
+    def resumed(path):  # (complete: the root this run writes is not the one found)
+        return _resumed_writer(path, 20, "complete")
 
     w, _ = resumed(tmp_path / "counted.zarr")
     with _InterruptInFunction(W.__file__, ("discard",), None) as counted:
