@@ -612,7 +612,8 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
   if (row_kind_ < 0) {
     row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
   }
-  if (!seen_dtype_) {
+  const bool first_rows = !seen_dtype_;
+  if (first_rows) {
     seen_dtype_ = x.scalar_type();
     check_first_rows_fit_writer(x);
   } else if ((writer_ || one_layout_) && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
@@ -643,6 +644,22 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
                     "each dtype into its own store, or exclude= its module."
                   : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
                     "or exclude= its module.");
+  }
+  if (uncast_storage_dtype_ && !options_.storage_dtype && !writer_ && !one_layout_ &&
+      (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type()))) {
+    // storage_dtype casts floating-point hook points only, decided at their first call: this
+    // one's was integer or bool, so a floating-point call would be kept (and reduced) as it is,
+    // not as storage_dtype asks. (A store refuses any change of dtype, above.) Checked before
+    // this call keeps or reduces anything.
+    count_call(-1);
+    if (first_rows) seen_dtype_.reset();  // (its first call with rows: the next one is again)
+    ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(x.scalar_type()), " in its call ", n_calls_ + 1,
+              " but its first call was ", dtype_name(uncast_first_dtype_), ": storage_dtype=",
+              dtype_name(*uncast_storage_dtype_), " casts floating-point hook points only, decided at their first ",
+              "call, so this call's record and reductions would keep ", dtype_name(x.scalar_type()),
+              " values, not ", dtype_name(*uncast_storage_dtype_), " ones. Give the hook point one dtype in every ",
+              "call (cast in the model, as .float() of its integer or bool output), drop storage_dtype (each record ",
+              "then keeps its own dtype), or exclude= its module");
   }
 
   // The alias checks compare the model's tensor (the zeros made of a ZeroTensor are another

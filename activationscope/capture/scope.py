@@ -336,8 +336,12 @@ class ActivationScope:
         Cast the activations of floating-point hook points (float16, bfloat16, float32,
         float64) to it (e.g. ``torch.bfloat16`` to halve memory and disk); integer and bool
         hook points (token ids as an input, argmax outputs, masks) keep their own dtype, in
-        records and in the store. Records, stored rows and reductions are all the stored
-        values (a reduction equals the float64 statistic of ``store[hook_point]``). A cast
+        records and in the store. Which a hook point is, its first call decides: a later call
+        of one whose first was integer or bool that gives a floating-point tensor raises
+        :class:`CaptureError` naming both dtypes (its record would keep the uncast values; a
+        store refuses any change of a hook point's dtype). Records, stored rows and
+        reductions are all the stored values (a reduction equals the float64 statistic of
+        ``store[hook_point]``). A cast
         that turns a finite value into inf raises :class:`CaptureError` naming the hook
         point, as does a complex hook point (the cast would drop its imaginary part). A resume
         must use the store's ``storage_dtype``; an integer hook point that a store written by
@@ -2413,6 +2417,10 @@ class Tracker:
             row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
+        if cast is None and scope.storage_dtype is not None:
+            # an integer or bool hook point, not cast: a later floating-point call is refused (its
+            # record and reductions would not be storage_dtype's)
+            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if self._red_factories is not None:
             names, objects = [], []
             resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
