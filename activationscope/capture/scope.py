@@ -4130,8 +4130,11 @@ class Tracker:
         mask = self._model_mask
         if mask is None or self._warned_model_mask or mask.is_complex():
             return
-        if mask.device.type == "cpu" and not int(_padding_count(mask)):
-            return  # (no padding: checked before the hook points, at every forward until warned)
+        # (a CPU mask is counted here once, before the hook points, at every forward until warned;
+        # the count goes to _count_padding, which would count it again)
+        n_pad = int(_padding_count(mask)) if mask.device.type == "cpu" else None
+        if n_pad == 0:
+            return
         shape = tuple(mask.shape)
         stored = self.writer is not None
 
@@ -4172,19 +4175,20 @@ class Tracker:
                 CaptureWarning,
             )
 
-        self._count_padding(mask, say)
+        self._count_padding(mask, say, n_pad)
 
-    def _count_padding(self, mask: torch.Tensor, say: Any) -> None:
+    def _count_padding(self, mask: torch.Tensor, say: Any, n_pad: int | None = None) -> None:
         """Count the 0 positions of the model's ``attention_mask`` of this forward and call
         ``say(count)`` (the warning, once per capture) when there are any. A CPU mask is counted
-        now; a CUDA mask's count is copied to pinned host memory without waiting for the device
-        (no synchronization per forward on the capture's path) and read at a later forward's end,
-        once the device has got there, or at the capture's close (:meth:`_read_padding_counts`)."""
+        now (``n_pad``: its count, where the caller has it already); a CUDA mask's count is
+        copied to pinned host memory without waiting for the device (no synchronization per
+        forward on the capture's path) and read at a later forward's end, once the device has
+        got there, or at the capture's close (:meth:`_read_padding_counts`)."""
         self._read_padding_counts(wait=False)
         if self._warned_model_mask:
             return
         if not _counts_padding_later(mask):
-            n_pad = int(_padding_count(mask))
+            n_pad = int(_padding_count(mask)) if n_pad is None else n_pad
             if n_pad:
                 self._warned_model_mask = True
                 say(n_pad)
