@@ -1141,8 +1141,10 @@ class Tracker:
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
-        # hook points whose first activation (1, ...) came in a forward of more samples: a tensor
-        # shared by the batch (T5's position bias), named where its shape changes
+        # hook points whose first activation (1, ...) came in a forward of more samples (or, first
+        # seen in a forward of one sample, recorded one row in a later one of more: noted by
+        # _warn_row_table_lost): a tensor shared by the batch (T5's position bias), named where
+        # its shape changes
         self._shared_rows: dict[str, tuple[int, ...]] = {}
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
@@ -3718,6 +3720,14 @@ class Tracker:
             self._warned_row_table.add(name)
             got, expected = lost[name]
             first = self._shared_rows.get(name)
+            if first is None and got == 1 < expected:
+                # first seen in a forward of one sample, (1, ...), and one row at each call since,
+                # this forward of more samples included: a tensor shared by the batch too (noted
+                # for a later change of its shape, _note_shared_rows)
+                sink, shape = self._sinks.get(name), self._first_shapes.get(name)
+                if (sink is not None and isinstance(shape, tuple) and len(shape) >= 2 and shape[0] == 1
+                        and int(sink.n_rows) <= int(sink.n_calls)):
+                    first = self._shared_rows[name] = shape
             shared = got == 1 < expected and first is not None
             replaced = got == 0 and self._forward_replaced(self._module_of(name))
             warn_at_caller(
@@ -3750,7 +3760,7 @@ class Tracker:
         if name not in self._shared_rows or not hasattr(exc, "add_note"):
             return
         exc.add_note(
-            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its first "
+            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its "
             f"activation was {self._shared_rows[name]} for a batch of more samples (its first dimension 1 broadcast "
             "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
             f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
