@@ -382,7 +382,13 @@ void bind_capture(py::module_& m) {
           },
           py::arg("index"))
       .def("set_writer", &Sink::set_writer)
-      .def("set_one_layout", &Sink::set_one_layout, py::arg("on"))
+      .def(
+          "set_one_layout",
+          [](Sink& s, bool on, py::object dtype, std::vector<int64_t> feature_shape) {
+            s.set_one_layout(on, dtype.is_none() ? std::nullopt : std::optional<at::ScalarType>(to_scalar_type(dtype)),
+                             std::move(feature_shape));
+          },
+          py::arg("on"), py::arg("dtype") = py::none(), py::arg("feature_shape") = std::vector<int64_t>{})
       .def(
           "set_uncast_storage_dtype",
           [](Sink& s, py::object dtype, py::object first) {

@@ -558,11 +558,18 @@ at::Tensor Sink::referred(const Record& r) {
 // dtype or feature shape: cast to the array's dtype they would be stored changed (float32
 // values rounded to float16, or turned into inf, and reduced uncast). Refused here, before
 // anything of this call is kept, reduced or written. (A call with rows opened the array
-// itself: nothing to check; a resumed array was checked when it was opened.)
+// itself: nothing to check; a resumed array was checked when it was opened.) The same for a
+// store that keeps reductions only, which records the first call's dtype and feature shape
+// (set_one_layout): rows of another would be reduced as rows the store does not describe.
 void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   at::ScalarType dtype;
   std::vector<int64_t> feat;
-  if (!writer_ || !writer_->row_spec(&dtype, &feat)) return;
+  const bool array = writer_ && writer_->row_spec(&dtype, &feat);
+  if (!array) {
+    if (!one_layout_ || !layout_dtype_) return;
+    dtype = *layout_dtype_;
+    feat = layout_feature_shape_;
+  }
   const at::ScalarType rows_dtype = options_.storage_dtype.value_or(x.scalar_type());
   const size_t lead = row_kind_ == 1 ? 2 : 1;  // (batch, pos) of token rows, batch of sample rows
   c10::IntArrayRef rows_feat = x.dim() < static_cast<int64_t>(lead) ? c10::IntArrayRef() : x.sizes().slice(lead);
@@ -570,9 +577,13 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   count_call(-1);
   seen_dtype_.reset();
   ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
-            shape_str(feat), ", ", dtype_name(dtype), "), which fixed its store array's row shape and dtype; its ",
-            "first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype), ", and would be stored cast to ",
-            dtype_name(dtype), " or refused. Return an empty tensor of the rows' shape and dtype ",
+            shape_str(feat), ", ", dtype_name(dtype), "), which fixed ",
+            array ? "its store array's row shape and dtype"
+                  : "the row shape and dtype the store (it keeps reductions only) records for it",
+            "; its first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype),
+            array ? c10::str(", and would be stored cast to ", dtype_name(dtype), " or refused")
+                  : std::string(", and would be reduced as rows the store does not describe"),
+            ". Return an empty tensor of the rows' shape and dtype ",
             "(x.new_empty((0, *rows.shape[1:]))), pass storage_dtype= to store every row as one dtype, or ",
             "exclude= its module");
 }

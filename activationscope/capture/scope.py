@@ -2466,12 +2466,13 @@ class Tracker:
         elif self.writer is not None and self._reductions_only:
             if self._reduction_names.get(name):  # (a hook point no reduction applies to is not kept)
                 feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
-                self.writer.open_reduced(name, feature_shape, self._cast_dtype(name, tensor) or tensor.dtype,
-                                         "token" if token else "sample")
+                dtype = self._cast_dtype(name, tensor) or tensor.dtype
+                self.writer.open_reduced(name, feature_shape, dtype, "token" if token else "sample")
                 self._reduced_rows[name] = 0
                 # the store records this first call's dtype and feature shape: a later call of
-                # another (autocast switched on or off) is refused as a store array refuses it
-                sink.set_one_layout(True)
+                # another (autocast switched on or off), or first rows of another after an empty
+                # first call, is refused as a store array refuses it
+                sink.set_one_layout(True, dtype, list(feature_shape))
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
