@@ -382,7 +382,19 @@ void bind_capture(py::module_& m) {
           },
           py::arg("index"))
       .def("set_writer", &Sink::set_writer)
-      .def("set_one_layout", &Sink::set_one_layout, py::arg("on"))
+      .def(
+          "set_one_layout",
+          [](Sink& s, bool on, py::object dtype, std::vector<int64_t> feature_shape) {
+            s.set_one_layout(on, dtype.is_none() ? std::nullopt : std::optional<at::ScalarType>(to_scalar_type(dtype)),
+                             std::move(feature_shape));
+          },
+          py::arg("on"), py::arg("dtype") = py::none(), py::arg("feature_shape") = std::vector<int64_t>{})
+      .def(
+          "set_uncast_storage_dtype",
+          [](Sink& s, py::object dtype, py::object first) {
+            s.set_uncast_storage_dtype(to_scalar_type(dtype), to_scalar_type(first));
+          },
+          py::arg("dtype"), py::arg("first"))
       .def("set_keep_forward_start", &Sink::set_keep_forward_start, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("rollback_forward", &Sink::rollback_forward, py::arg("forward"), py::call_guard<ReleaseGil>())
       .def("wait_reductions", &Sink::wait_reductions, py::call_guard<ReleaseGil>())

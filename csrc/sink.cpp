@@ -558,11 +558,18 @@ at::Tensor Sink::referred(const Record& r) {
 // dtype or feature shape: cast to the array's dtype they would be stored changed (float32
 // values rounded to float16, or turned into inf, and reduced uncast). Refused here, before
 // anything of this call is kept, reduced or written. (A call with rows opened the array
-// itself: nothing to check; a resumed array was checked when it was opened.)
+// itself: nothing to check; a resumed array was checked when it was opened.) The same for a
+// store that keeps reductions only, which records the first call's dtype and feature shape
+// (set_one_layout): rows of another would be reduced as rows the store does not describe.
 void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   at::ScalarType dtype;
   std::vector<int64_t> feat;
-  if (!writer_ || !writer_->row_spec(&dtype, &feat)) return;
+  const bool array = writer_ && writer_->row_spec(&dtype, &feat);
+  if (!array) {
+    if (!one_layout_ || !layout_dtype_) return;
+    dtype = *layout_dtype_;
+    feat = layout_feature_shape_;
+  }
   const at::ScalarType rows_dtype = options_.storage_dtype.value_or(x.scalar_type());
   const size_t lead = row_kind_ == 1 ? 2 : 1;  // (batch, pos) of token rows, batch of sample rows
   c10::IntArrayRef rows_feat = x.dim() < static_cast<int64_t>(lead) ? c10::IntArrayRef() : x.sizes().slice(lead);
@@ -570,9 +577,13 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   count_call(-1);
   seen_dtype_.reset();
   ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
-            shape_str(feat), ", ", dtype_name(dtype), "), which fixed its store array's row shape and dtype; its ",
-            "first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype), ", and would be stored cast to ",
-            dtype_name(dtype), " or refused. Return an empty tensor of the rows' shape and dtype ",
+            shape_str(feat), ", ", dtype_name(dtype), "), which fixed ",
+            array ? "its store array's row shape and dtype"
+                  : "the row shape and dtype the store (it keeps reductions only) records for it",
+            "; its first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype),
+            array ? c10::str(", and would be stored cast to ", dtype_name(dtype), " or refused")
+                  : std::string(", and would be reduced as rows the store does not describe"),
+            ". Return an empty tensor of the rows' shape and dtype ",
             "(x.new_empty((0, *rows.shape[1:]))), pass storage_dtype= to store every row as one dtype, or ",
             "exclude= its module");
 }
@@ -612,7 +623,8 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
   if (row_kind_ < 0) {
     row_kind_ = is_token_rows(x, token_mask) ? 1 : 0;
   }
-  if (!seen_dtype_) {
+  const bool first_rows = !seen_dtype_;
+  if (first_rows) {
     seen_dtype_ = x.scalar_type();
     check_first_rows_fit_writer(x);
   } else if ((writer_ || one_layout_) && !options_.storage_dtype && x.scalar_type() != *seen_dtype_) {
@@ -643,6 +655,22 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
                     "each dtype into its own store, or exclude= its module."
                   : "storage_dtype casts floating-point hook points only: capture each dtype into its own store, "
                     "or exclude= its module.");
+  }
+  if (uncast_storage_dtype_ && !options_.storage_dtype && !writer_ && !one_layout_ &&
+      (at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type()))) {
+    // storage_dtype casts floating-point hook points only, decided at their first call: this
+    // one's was integer or bool, so a floating-point call would be kept (and reduced) as it is,
+    // not as storage_dtype asks. (A store refuses any change of dtype, above.) Checked before
+    // this call keeps or reduces anything.
+    count_call(-1);
+    if (first_rows) seen_dtype_.reset();  // (its first call with rows: the next one is again)
+    ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(x.scalar_type()), " in its call ", n_calls_ + 1,
+              " but its first call was ", dtype_name(uncast_first_dtype_), ": storage_dtype=",
+              dtype_name(*uncast_storage_dtype_), " casts floating-point hook points only, decided at their first ",
+              "call, so this call's record and reductions would keep ", dtype_name(x.scalar_type()),
+              " values, not ", dtype_name(*uncast_storage_dtype_), " ones. Give the hook point one dtype in every ",
+              "call (cast in the model, as .float() of its integer or bool output), drop storage_dtype (each record ",
+              "then keeps its own dtype), or exclude= its module");
   }
 
   // The alias checks compare the model's tensor (the zeros made of a ZeroTensor are another

@@ -161,7 +161,22 @@ class Sink {
   bool has_writer() const { return writer_ != nullptr; }
   // A store that keeps reductions only records this hook point's dtype and feature shape from
   // its first call (it has no array): later calls are held to them as a store array's are.
-  void set_one_layout(bool on) { one_layout_ = on; }
+  // dtype and feature_shape: those it records (checked at the first call with rows, where
+  // the first call was an empty batch: check_first_rows_fit_writer).
+  void set_one_layout(bool on, std::optional<at::ScalarType> dtype = std::nullopt,
+                      std::vector<int64_t> feature_shape = {}) {
+    one_layout_ = on;
+    layout_dtype_ = dtype;
+    layout_feature_shape_ = std::move(feature_shape);
+  }
+  // The capture's storage_dtype, where this hook point's first call (of dtype `first`) was
+  // integer or bool and so is not cast (options_.storage_dtype unset): a later floating-point
+  // or complex call is refused, as it would be kept and reduced uncast (a store array refuses
+  // any change of dtype already).
+  void set_uncast_storage_dtype(at::ScalarType dtype, at::ScalarType first) {
+    uncast_storage_dtype_ = dtype;
+    uncast_first_dtype_ = first;
+  }
   // consume() only keeps a reference (no copy, reduction or store hand-off): callers need
   // not release the GIL for it.
   bool keeps_reference_only() const {
@@ -271,6 +286,10 @@ class Sink {
   void wait_reductions_locked();  // (under mu_)
   std::shared_ptr<RowConsumer> writer_;
   bool one_layout_ = false;  // (set_one_layout)
+  std::optional<at::ScalarType> layout_dtype_;
+  std::vector<int64_t> layout_feature_shape_;
+  std::optional<at::ScalarType> uncast_storage_dtype_;  // (set_uncast_storage_dtype)
+  at::ScalarType uncast_first_dtype_ = at::kLong;
   int row_kind_ = -1;
   bool sample_rows_chosen_ = false;  // sample rows by choice (token_rows=False), whatever the shape
   int64_t claimed_forward_ = -1;

@@ -391,3 +391,49 @@ def test_a_cuda_mask_with_padding_warns_by_the_close(tmp_path):
                 model(ids, attention_mask=_mask(6).cuda())
     mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
     assert len(mine) == 1 and "given attention_mask= with padding (6 of 24 positions are 0)" in mine[0], mine
+
+
+_PLAIN_PADDING = {
+    # (the mask given to the model, its padded positions counted in plain PyTorch)
+    "bool": (lambda m: m, lambda m: int((~m).sum())),
+    "long": (lambda m: m.long(), lambda m: int((m == 0).sum())),
+    "0/1 float": (lambda m: m.float(), lambda m: int((m == 0).sum())),
+    "additive": (lambda m: torch.where(m, 0.0, float("-inf")), lambda m: int((m < 0).sum())),
+}
+
+
+@pytest.mark.parametrize("rows", ["auto", "token"])
+@pytest.mark.parametrize("kind", list(_PLAIN_PADDING))
+def test_a_cpu_mask_is_counted_once_per_forward_and_its_count_is_plain_pytorchs(kind, rows, tmp_path, monkeypatch):
+    """A CPU mask's padding was counted twice in a forward of rows="auto" until the warning came
+    (once to see whether it had any, once more for the warning); now once per forward, none
+    after the warning, and the warning's count is the plain PyTorch count of padded positions."""
+    from activationscope.capture import scope as scope_mod
+
+    counted: list[int] = []
+    count = scope_mod._padding_count
+
+    def spy(mask):
+        counted[-1] += 1
+        return count(mask)
+
+    monkeypatch.setattr(scope_mod, "_padding_count", spy)
+    make, plain = _PLAIN_PADDING[kind]
+    g = torch.Generator().manual_seed(3)
+    padded = torch.rand(4, 6, generator=g) > 0.4
+    padded[:, 0] = True  # (one real token per sample)
+    masks = [make(torch.ones(4, 6, dtype=torch.bool)), make(padded), make(padded)]
+    ids = torch.randint(1, 50, (4, 6), generator=g)
+    model = _MaskedEncoder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), acs.ActivationScope(store=tmp_path / "run.zarr", rows=rows).track(model,
+                                                                                                include=["proj"]):
+            for mask in masks:
+                counted.append(0)
+                model(ids, attention_mask=mask)
+    assert counted == [1, 1, 0], counted
+    mine = [str(w.message) for w in caught if issubclass(w.category, acs.CaptureWarning)]
+    n_pad = plain(masks[1])
+    assert n_pad > 0 and len(mine) == 1, mine
+    assert f"forward 1 of the tracked model was given attention_mask= with padding ({n_pad} of 24 positions" in mine[0]

@@ -449,6 +449,51 @@ def test_a_dtype_change_is_refused_as_a_store_array_refuses_it(tmp_path):
     torch.testing.assert_close(store.reductions["0.output"]["mean"], want, rtol=0, atol=0)
 
 
+class _EmptyFirst(torch.nn.Module):
+    """Returns ``placeholder`` at its first call (an empty batch), its input after."""
+
+    def __init__(self, placeholder: torch.Tensor):
+        super().__init__()
+        self.placeholder, self.calls = placeholder, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.placeholder if self.calls == 1 else x
+
+
+@pytest.mark.parametrize("placeholder", [torch.empty(0, 3, dtype=torch.int64), torch.empty(0, 5)],
+                         ids=["other-dtype", "other-shape"])
+def test_rows_unlike_an_empty_first_batch_are_refused_as_a_store_array_refuses_them(tmp_path, placeholder):
+    # the store records the dtype and feature shape of a hook point's first call, an empty batch
+    # here: the rows after it were reduced without a word, the store recording int64 rows for
+    # float32 ones, or feature shape (5,) for reductions of (3,), which open_store then refused
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(_EmptyFirst(placeholder))
+    rows = torch.tensor([[1.5, -2.0, 3.25]])
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with pytest.raises(CaptureError) as err, scope.track(model), torch.no_grad():
+        model(rows)  # (the empty batch)
+        model(rows)
+    msg = str(err.value)
+    shape, dtype = tuple(placeholder.shape[1:]), str(placeholder.dtype)
+    assert (f"hook point '0.output' returned an empty batch at its first call (rows of shape {shape}, {dtype}), "
+            "which fixed the row shape and dtype the store (it keeps reductions only) records for it; its first "
+            "rows are (3,), torch.float32, and would be reduced as rows the store does not describe") in msg, msg
+    assert "x.new_empty" in msg and "exclude= its module" in msg
+    store = open_store(path)  # the forward of the empty batch (one sample), and nothing of the refused one
+    assert store.status == "incomplete" and store.n_samples == 1, (store.status, store.n_samples)
+    assert store.reduced["0.output"]["n_rows"] == 0
+    # an empty first batch of the rows' own dtype and shape is fine
+    model = torch.nn.Sequential(_EmptyFirst(torch.empty(0, 3)))
+    with acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"],
+                             store_options={"overwrite": True}).track(model), torch.no_grad():
+        model(rows)
+        model(rows)
+    store = open_store(path)
+    assert store.reduced["0.output"]["dtype"] == "float32" and store.reduced["0.output"]["n_rows"] == 1
+    torch.testing.assert_close(store.reductions["0.output"]["mean"], rows[0].double(), rtol=0, atol=0)
+
+
 def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_path):
     # a per_feature=0 reduction takes rows of any feature shape: the store, which records one
     # feature shape per hook point, refuses the change before the rows are reduced

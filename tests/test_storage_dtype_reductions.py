@@ -467,3 +467,64 @@ def test_an_integer_hook_point_turning_floating_point_is_refused_without_advisin
     assert "ass storage_dtype=" not in msg
     got = open_store(path)["0.output"][:]
     assert got.dtype == torch.int64 and got.tolist() == [[1, 257]]
+
+
+@pytest.mark.parametrize("first", [torch.int64, torch.bool])
+@pytest.mark.parametrize("then", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["snapshot", "reference"])
+@pytest.mark.parametrize("reductions", [None, ["mean"]])
+def test_an_integer_hook_point_turning_floating_point_in_memory_is_refused_not_kept_uncast(first, then, mode,
+                                                                                          reductions):
+    # storage_dtype casts floating-point hook points only, decided at the first call: in memory
+    # the later floating-point records of an integer or bool hook point were kept (and reduced)
+    # uncast, float32 under storage_dtype=torch.float16, with no word said
+    from activationscope import CaptureMode
+
+    model = torch.nn.Sequential(_Echo())
+    ints = torch.tensor([[1, 0, 3]]).to(first)
+    scope = ActivationScope(storage_dtype=torch.float16, reductions=reductions,
+                            capture_mode=CaptureMode.SNAPSHOT if mode == "snapshot" else CaptureMode.REFERENCE)
+    with pytest.raises(CaptureError) as err, torch.no_grad(), scope.track(model) as tr:
+        model(ints)
+        model(ints)  # (the same dtype again: kept as it is)
+        model(torch.tensor([[1.5, 2.25, 3.0]], dtype=then))
+    msg = str(err.value)
+    assert (f"hook point '0.output' is {then} in its call 3 but its first call was {first}: "
+            "storage_dtype=torch.float16 casts floating-point hook points only") in msg, msg
+    assert "cast in the model" in msg and "drop storage_dtype" in msg and "exclude= its module" in msg
+    # the records before it are intact
+    recs = tr.activations["0.output"]
+    assert len(recs) == 2 and all(r.dtype == first and torch.equal(r, ints) for r in recs)
+    if reductions:
+        assert tr.reductions["0.output"]["mean"].tolist() == ints.double()[0].tolist()
+
+
+def test_an_integer_hook_point_stays_as_it_is_in_memory_without_storage_dtype_or_with_integer_calls_only():
+    # what the refusal above leaves alone: no storage_dtype (each record its own dtype), and an
+    # integer hook point whose every call is integer under storage_dtype
+    model = torch.nn.Sequential(_Echo())
+    with torch.no_grad(), ActivationScope(reductions=["mean"]).track(model) as tr:
+        model(torch.tensor([[1, 3]]))
+        model(torch.tensor([[1.5, 2.5]]))
+    assert [r.dtype for r in tr.activations["0.output"]] == [torch.int64, torch.float32]
+    assert tr.reductions["0.output"]["mean"].tolist() == [1.25, 2.75]
+    with torch.no_grad(), ActivationScope(storage_dtype=torch.float16).track(model) as tr:
+        model(torch.tensor([[1, 3]]))
+        model(torch.tensor([[5000, 3]], dtype=torch.int32))
+    assert [r.tolist() for r in tr.activations["0.output"]] == [[[1, 3]], [[5000, 3]]]
+
+
+def test_an_integer_hook_point_refused_in_a_store_keeps_its_rows_and_the_store_resumes(tmp_path):
+    # the store refusal of the same change (covered above by its message) leaves the rows
+    # committed before it, and a resume with integer calls goes on
+    model, path = torch.nn.Sequential(_Echo()), tmp_path / "s.zarr"
+    with pytest.raises(CaptureError, match=r"'0.output' changed its dtype from torch.int64 to torch.float32"), \
+            torch.no_grad(), ActivationScope(store=path, storage_dtype=torch.float16).track(model):
+        model(torch.tensor([[1, 257]]))
+        model(torch.tensor([[1.5, 2.0]]))
+    assert open_store(path)["0.output"][:].tolist() == [[1, 257]]
+    with torch.no_grad(), ActivationScope(store=path, storage_dtype=torch.float16,
+                                          store_options={"resume": True}).track(model):
+        model(torch.tensor([[2, 258]]))
+    s = open_store(path)
+    assert s.status == "complete" and s["0.output"][:].tolist() == [[1, 257], [2, 258]]

@@ -581,3 +581,34 @@ def test_a_broadcast_tensor_taken_as_token_rows_at_a_first_batch_of_one_names_th
     assert store.hook_points == ["embed.output", "block.output"]
     with torch.no_grad():
         assert torch.equal(store["block.output"], model(ids).reshape(15, 8))
+
+
+@pytest.mark.parametrize("first", [1, 3])
+def test_a_broadcast_tensor_leaving_the_row_table_is_named_so_whatever_its_first_batch(first, tmp_path):
+    """A (1, pos, d) tensor shared by the batch, stored one row per sample (rows="auto"), records
+    one row for a forward of more samples and leaves the row table. Where its first forward had
+    more samples the warning said it is one tensor shared by the batch and named
+    exclude_hook_points=; where its first forward had one sample it gave the generic advice
+    (its module returned no tensor, or another number of rows). Now both say the first; and a
+    later change of its shape (another pos) adds the same note to the error."""
+    model = _LearnedPositions().eval()
+    ids = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(acs.CaptureError) as info, torch.no_grad(), \
+                acs.ActivationScope(store=str(tmp_path / "a.zarr")).track(model, include=["positions", "block"]):
+            model(ids[:first])
+            model(ids)
+            model(ids[:, :4])  # (another pos: refused at positions.output, called before block)
+    lost = [str(w.message) for w in caught
+            if issubclass(w.category, acs.CaptureWarning) and "row(s) in forward" in str(w.message)]
+    assert len(lost) == 1, lost
+    forward = 0 if first > 1 else 1
+    assert (f"hook point 'positions.output' recorded 1 row(s) in forward {forward} of the tracked model, where the "
+            f"row table got {first if first > 1 else 4}") in lost[0]
+    assert "Its activation (1, 5, 8) is one tensor shared by the batch's samples" in lost[0], lost[0]
+    assert "exclude_hook_points=['positions.output']" in lost[0]
+    assert "Track only hook points whose module returns a tensor in every forward" not in lost[0]
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "'positions.output' is one tensor shared by the batch's samples" in notes, (str(info.value), notes)
+    assert "its activation was (1, 5, 8) for a batch of more samples" in notes

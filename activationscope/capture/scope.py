@@ -336,8 +336,12 @@ class ActivationScope:
         Cast the activations of floating-point hook points (float16, bfloat16, float32,
         float64) to it (e.g. ``torch.bfloat16`` to halve memory and disk); integer and bool
         hook points (token ids as an input, argmax outputs, masks) keep their own dtype, in
-        records and in the store. Records, stored rows and reductions are all the stored
-        values (a reduction equals the float64 statistic of ``store[hook_point]``). A cast
+        records and in the store. Which a hook point is, its first call decides: a later call
+        of one whose first was integer or bool that gives a floating-point tensor raises
+        :class:`CaptureError` naming both dtypes (its record would keep the uncast values; a
+        store refuses any change of a hook point's dtype). Records, stored rows and
+        reductions are all the stored values (a reduction equals the float64 statistic of
+        ``store[hook_point]``). A cast
         that turns a finite value into inf raises :class:`CaptureError` naming the hook
         point, as does a complex hook point (the cast would drop its imaginary part). A resume
         must use the store's ``storage_dtype``; an integer hook point that a store written by
@@ -1137,8 +1141,10 @@ class Tracker:
         # store arrays already named in a warning for leaving the row table (first captured
         # late, a forward that raised, rows missing from a forward): warned once each
         self._warned_row_table: set[str] = set()
-        # hook points whose first activation (1, ...) came in a forward of more samples: a tensor
-        # shared by the batch (T5's position bias), named where its shape changes
+        # hook points whose first activation (1, ...) came in a forward of more samples (or, first
+        # seen in a forward of one sample, recorded one row in a later one of more: noted by
+        # _warn_row_table_lost): a tensor shared by the batch (T5's position bias), named where
+        # its shape changes
         self._shared_rows: dict[str, tuple[int, ...]] = {}
         self._fastpath_off = False  # this tracker holds PyTorch's MHA fast path off
         self.parameters: dict[str, torch.Tensor] = {}
@@ -2413,6 +2419,10 @@ class Tracker:
             row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
+        if cast is None and scope.storage_dtype is not None:
+            # an integer or bool hook point, not cast: a later floating-point call is refused (its
+            # record and reductions would not be storage_dtype's)
+            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if self._red_factories is not None:
             names, objects = [], []
             resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
@@ -2456,12 +2466,13 @@ class Tracker:
         elif self.writer is not None and self._reductions_only:
             if self._reduction_names.get(name):  # (a hook point no reduction applies to is not kept)
                 feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
-                self.writer.open_reduced(name, feature_shape, self._cast_dtype(name, tensor) or tensor.dtype,
-                                         "token" if token else "sample")
+                dtype = self._cast_dtype(name, tensor) or tensor.dtype
+                self.writer.open_reduced(name, feature_shape, dtype, "token" if token else "sample")
                 self._reduced_rows[name] = 0
                 # the store records this first call's dtype and feature shape: a later call of
-                # another (autocast switched on or off) is refused as a store array refuses it
-                sink.set_one_layout(True)
+                # another (autocast switched on or off), or first rows of another after an empty
+                # first call, is refused as a store array refuses it
+                sink.set_one_layout(True, dtype, list(feature_shape))
         elif self.writer is not None:
             feature_shape = tuple(tensor.shape[2:] if token else tensor.shape[1:]) if tensor.dim() else ()
             dtype = self._cast_dtype(name, tensor) or tensor.dtype
@@ -3710,6 +3721,14 @@ class Tracker:
             self._warned_row_table.add(name)
             got, expected = lost[name]
             first = self._shared_rows.get(name)
+            if first is None and got == 1 < expected:
+                # first seen in a forward of one sample, (1, ...), and one row at each call since,
+                # this forward of more samples included: a tensor shared by the batch too (noted
+                # for a later change of its shape, _note_shared_rows)
+                sink, shape = self._sinks.get(name), self._first_shapes.get(name)
+                if (sink is not None and isinstance(shape, tuple) and len(shape) >= 2 and shape[0] == 1
+                        and int(sink.n_rows) <= int(sink.n_calls)):
+                    first = self._shared_rows[name] = shape
             shared = got == 1 < expected and first is not None
             replaced = got == 0 and self._forward_replaced(self._module_of(name))
             warn_at_caller(
@@ -3742,7 +3761,7 @@ class Tracker:
         if name not in self._shared_rows or not hasattr(exc, "add_note"):
             return
         exc.add_note(
-            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its first "
+            f"{name!r} is one tensor shared by the batch's samples, not one row per sample: its "
             f"activation was {self._shared_rows[name]} for a batch of more samples (its first dimension 1 broadcast "
             "over them), as T5's position bias (1, heads, query, key), which each generate() step grows by one "
             f"key. Leave it out of the capture: exclude_hook_points=[{name!r}] (or a pattern for every layer's, as "
@@ -4122,8 +4141,11 @@ class Tracker:
         mask = self._model_mask
         if mask is None or self._warned_model_mask or mask.is_complex():
             return
-        if mask.device.type == "cpu" and not int(_padding_count(mask)):
-            return  # (no padding: checked before the hook points, at every forward until warned)
+        # (a CPU mask is counted here once, before the hook points, at every forward until warned;
+        # the count goes to _count_padding, which would count it again)
+        n_pad = int(_padding_count(mask)) if mask.device.type == "cpu" else None
+        if n_pad == 0:
+            return
         shape = tuple(mask.shape)
         stored = self.writer is not None
 
@@ -4164,19 +4186,20 @@ class Tracker:
                 CaptureWarning,
             )
 
-        self._count_padding(mask, say)
+        self._count_padding(mask, say, n_pad)
 
-    def _count_padding(self, mask: torch.Tensor, say: Any) -> None:
+    def _count_padding(self, mask: torch.Tensor, say: Any, n_pad: int | None = None) -> None:
         """Count the 0 positions of the model's ``attention_mask`` of this forward and call
         ``say(count)`` (the warning, once per capture) when there are any. A CPU mask is counted
-        now; a CUDA mask's count is copied to pinned host memory without waiting for the device
-        (no synchronization per forward on the capture's path) and read at a later forward's end,
-        once the device has got there, or at the capture's close (:meth:`_read_padding_counts`)."""
+        now (``n_pad``: its count, where the caller has it already); a CUDA mask's count is
+        copied to pinned host memory without waiting for the device (no synchronization per
+        forward on the capture's path) and read at a later forward's end, once the device has
+        got there, or at the capture's close (:meth:`_read_padding_counts`)."""
         self._read_padding_counts(wait=False)
         if self._warned_model_mask:
             return
         if not _counts_padding_later(mask):
-            n_pad = int(_padding_count(mask))
+            n_pad = int(_padding_count(mask)) if n_pad is None else n_pad
             if n_pad:
                 self._warned_model_mask = True
                 say(n_pad)
