@@ -315,6 +315,24 @@ bool has_no_bytes(const at::Tensor& x) {
   }
 }
 
+// Whether the storage of `x` (a dense strided tensor with a storage of bytes) holds fewer
+// bytes than its shape reads, from its storage offset to its last element: its memory was
+// freed under it (untyped_storage().resize_(0), as FSDP does with a parameter it reshards), and
+// a copy of it would read past the storage's end. *have, *need: the two numbers.
+bool storage_freed(const at::Tensor& x, int64_t* have, int64_t* need) {
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (impl->is_python_dispatch() || !impl->has_storage()) return false;
+  int64_t last = x.storage_offset();
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    const int64_t size = x.size(d);
+    if (size == 0) return false;  // (no element: nothing read)
+    last += (size - 1) * x.stride(d);
+  }
+  *need = (last + 1) * static_cast<int64_t>(x.element_size());
+  *have = static_cast<int64_t>(impl->storage().nbytes());
+  return *have < *need;
+}
+
 // Whether `x` (a tensor of has_no_bytes) is a FakeTensor (torch._subclasses.fake_tensor, what a
 // forward under FakeTensorMode makes): its storage is on the meta device, while a wrapper
 // subclass's (torch.Tensor._make_wrapper_subclass) is on the tensor's own device. Only for
@@ -359,7 +377,12 @@ void Sink::check_layout(const at::Tensor& x) const {
   // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
   // torch has no conversion of them to storage_dtype (a floating-point dtype of numbers)
   const bool uncastable = options_.storage_dtype && is_bits(x);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
+  // (a few integers of the tensor: no value is read)
+  int64_t have = 0, need = 0;
+  const bool freed = !nested && strided && !x.is_meta() && !quantized && !functorch && !no_bytes &&
+                     storage_freed(x, &have, &need);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes &&
+      !uncastable && !freed)
     return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
@@ -368,6 +391,16 @@ void Sink::check_layout(const at::Tensor& x) const {
             "...) in its call ", n_calls_ + 1, ": such a tensor has no values of its own outside the transform, so ",
             "a capture cannot keep, store or reduce it. Run the tracked model outside the transform (capture with ",
             "a plain forward, then apply torch.func to the model), or pass exclude= its module to track()");
+  // Memory freed before the capture saw it: no values to copy, store or reduce, and a record
+  // kept by reference would read whatever the storage holds once it is given memory again
+  // (FSDP gathers the parameter into it at its next use). Refused in every mode.
+  ACS_CHECK(!freed, "hook point '", name_, "' is a tensor whose memory was freed in its call ", n_calls_ + 1,
+            ": its storage holds ", have, " bytes, its shape ", shape_str(x.sizes()), " of ", dtype_name(x.scalar_type()),
+            " needs ", need, " (the model or its training called untyped_storage().resize_(0) on it, as FSDP does ",
+            "when it reshards a parameter), so it has no values to copy, store, reduce or keep, and reading it would ",
+            "read past the end of its memory. Capture it before it is freed (for FSDP, a module whose output is ",
+            "not a resharded parameter, or fully_shard(..., reshard_after_forward=False)), or pass exclude=",
+            module_ ? "['" + *module_ + "']" : std::string("its module"), " to track()");
   const bool copied = options_.snapshot || x.is_inference();
   const bool stored = writer_ != nullptr;
   const bool reduced = !reductions_.empty();
