@@ -211,6 +211,16 @@ void stream_waits(const c10::Stream& done, const c10::Stream& waiter) {
   event.block(waiter);
 }
 
+// `*event` recorded on `stream` (made anew where there is none yet, or one of another device:
+// an event records on streams of one device only).
+static void record_event(std::unique_ptr<c10::Event>& event, const c10::Stream& stream) {
+  if (!event || event->device_type() != stream.device_type() ||
+      (event->device_index() != -1 && event->device_index() != stream.device_index())) {
+    event = std::make_unique<c10::Event>(stream.device_type());
+  }
+  event->record(stream);
+}
+
 std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst) {
   // 1. Snapshot on the device, on the compute stream: ordered before any later in-place op
   //    of the model on that stream, and fast (device bandwidth).
@@ -953,10 +963,10 @@ NamedTensors Sink::reduction_result(int64_t index) {
   NamedTensors out = reductions_[index]->result();
   for (auto& kv : out) kv.second = kv.second.clone();
   if (reduce_stream_) {
-    // and the reductions' stream waits for these copies: its next update frees the accumulators
-    // read here, whose memory that stream may then reuse
+    // and the next update waits for these copies: it changes the accumulators read here (in
+    // place, or frees them, and its stream may reuse their memory)
     c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
-    stream_waits(impl.getStream(reduce_stream_->device()), *reduce_stream_);
+    record_event(read_, impl.getStream(reduce_stream_->device()));
   }
   return out;
 }
@@ -994,9 +1004,10 @@ void Sink::wait_reductions() {
 }
 
 void Sink::wait_reductions_locked() {
-  if (!reduce_stream_) return;
+  if (!reduce_stream_ || !reduced_) return;
   c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
-  stream_waits(*reduce_stream_, impl.getStream(reduce_stream_->device()));
+  const c10::Stream current = impl.getStream(reduce_stream_->device());
+  if (current != *reduce_stream_) reduced_->block(current);  // (not reduce_stream_ itself: reduced_)
 }
 
 void Sink::set_keep_forward_start(bool on) {
@@ -1027,17 +1038,24 @@ void Sink::reduce(const at::Tensor& rows) {
     // The accumulators were last made on reduce_stream_: an update on another stream (a forward
     // under another torch.cuda.stream) reads them only once that stream's kernels are done.
     c10::impl::VirtualGuardImpl impl(rows.device().type());
+    // (through the event of that update: the stream itself may be gone, reduced_)
     const c10::Stream now = impl.getStream(rows.device());
     if (reduce_stream_ && *reduce_stream_ != now) {
       before = reduce_stream_;
-      stream_waits(*before, now);
+      if (reduced_) reduced_->block(now);
+    }
+    if (read_) {  // (copies of the accumulators a reduction_result made: done before they change)
+      read_->block(now);
+      read_.reset();
     }
     reduce_stream_ = now;
   }
   // ... and that stream waits for the update: the accumulators it replaced go back to the
-  // allocator, which may hand their memory to that stream's next kernels
+  // allocator, which may hand their memory to that stream's next kernels. The update's own
+  // stream marks its end (reduced_), which the close and the next update wait for.
   auto release_before = [&] {
     if (before) stream_waits(*reduce_stream_, *before);
+    if (rows.is_cuda() && reduce_stream_) record_event(reduced_, *reduce_stream_);
   };
   try {
     run_reductions(rows);
