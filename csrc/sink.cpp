@@ -971,6 +971,14 @@ NamedTensors Sink::reduction_result(int64_t index) {
   return out;
 }
 
+bool Sink::reduction_made_nonfinite(int64_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ACS_CHECK(index >= 0 && index < static_cast<int64_t>(reductions_.size()), "hook point '", name_,
+            "' has ", reductions_.size(), " reduction(s), no reduction ", index);
+  wait_reductions_locked();  // (a flag kept on the device is read on the current stream)
+  return reductions_[index]->made_nonfinite();
+}
+
 namespace {
 
 // A capture reduces inside the model's forward, so under its torch.autocast: there a custom

@@ -138,6 +138,10 @@ class Sink {
   // Copies of the result of reduction `index` (in the order added), taken under the sink's
   // lock: never half of a batch's update, and later batches leave them alone.
   NamedTensors reduction_result(int64_t index);
+  // Reduction::made_nonfinite of reduction `index`, read under the sink's lock (an update of a
+  // forward still running in another thread writes the flags it reads) once the reductions'
+  // kernels are done (wait_reductions).
+  bool reduction_made_nonfinite(int64_t index);
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   // A store capture: keep the state of this hook point's reductions as it was before its first
   // call in each root forward (claimed_forward; Reduction::checkpoint), and its row count then,
