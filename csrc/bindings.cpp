@@ -97,6 +97,16 @@ class PyReduction : public Reduction {
     }
     Reduction::undo_update(before);
   }
+  // A Python reduction's own made_nonfinite (the eager reduction's property), else the default's
+  // (the property Reduction binds calls this very method: not asked again).
+  bool made_nonfinite() const override {
+    py::gil_scoped_acquire gil;
+    py::object self_type = py::type::of(self());
+    py::object base = py::type::of<Reduction>();
+    if (py::getattr(self_type, "made_nonfinite").is(py::getattr(base, "made_nonfinite")))
+      return Reduction::made_nonfinite();
+    return py::getattr(self(), "made_nonfinite").cast<bool>();
+  }
   std::string kind() const override {
     py::gil_scoped_acquire gil;
     return py::str(py::getattr(self(), "kind")).cast<std::string>();
@@ -381,6 +391,8 @@ void bind_capture(py::module_& m) {
             return named_to_dict(r);
           },
           py::arg("index"))
+      .def("reduction_made_nonfinite", &Sink::reduction_made_nonfinite, py::arg("index"),
+           py::call_guard<ReleaseGil>())  // (the sink's lock, as reduction_result)
       .def("set_writer", &Sink::set_writer)
       .def(
           "set_one_layout",

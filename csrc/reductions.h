@@ -76,6 +76,8 @@ class Reduction {
   // into an accumulator holding NaN or inf (the function's own doing; NaN or inf of the rows is
   // carried along as the built-ins carry it, like torch, and does not count). False for the
   // built-ins. Reads a flag kept on the accumulator's device off the CPU (synchronises there).
+  // Reads what update() writes: a capture asks with no update running, under the hook point's
+  // lock (Sink::reduction_made_nonfinite).
   virtual bool made_nonfinite() const { return false; }
 
  private:

@@ -211,6 +211,16 @@ void stream_waits(const c10::Stream& done, const c10::Stream& waiter) {
   event.block(waiter);
 }
 
+// `*event` recorded on `stream` (made anew where there is none yet, or one of another device:
+// an event records on streams of one device only).
+static void record_event(std::unique_ptr<c10::Event>& event, const c10::Stream& stream) {
+  if (!event || event->device_type() != stream.device_type() ||
+      (event->device_index() != -1 && event->device_index() != stream.device_index())) {
+    event = std::make_unique<c10::Event>(stream.device_type());
+  }
+  event->record(stream);
+}
+
 std::shared_ptr<c10::Event> device_to_host(const at::Tensor& x, const at::Tensor& dst) {
   // 1. Snapshot on the device, on the compute stream: ordered before any later in-place op
   //    of the model on that stream, and fast (device bandwidth).
@@ -315,6 +325,24 @@ bool has_no_bytes(const at::Tensor& x) {
   }
 }
 
+// Whether the storage of `x` (a dense strided tensor with a storage of bytes) holds fewer
+// bytes than its shape reads, from its storage offset to its last element: its memory was
+// freed under it (untyped_storage().resize_(0), as FSDP does with a parameter it reshards), and
+// a copy of it would read past the storage's end. *have, *need: the two numbers.
+bool storage_freed(const at::Tensor& x, int64_t* have, int64_t* need) {
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  if (impl->is_python_dispatch() || !impl->has_storage()) return false;
+  int64_t last = x.storage_offset();
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    const int64_t size = x.size(d);
+    if (size == 0) return false;  // (no element: nothing read)
+    last += (size - 1) * x.stride(d);
+  }
+  *need = (last + 1) * static_cast<int64_t>(x.element_size());
+  *have = static_cast<int64_t>(impl->storage().nbytes());
+  return *have < *need;
+}
+
 // Whether `x` (a tensor of has_no_bytes) is a FakeTensor (torch._subclasses.fake_tensor, what a
 // forward under FakeTensorMode makes): its storage is on the meta device, while a wrapper
 // subclass's (torch.Tensor._make_wrapper_subclass) is on the tensor's own device. Only for
@@ -359,7 +387,12 @@ void Sink::check_layout(const at::Tensor& x) const {
   // bits (float4_e2m1fn_x2, or bits8 ... in a hook point whose first call was floating-point):
   // torch has no conversion of them to storage_dtype (a floating-point dtype of numbers)
   const bool uncastable = options_.storage_dtype && is_bits(x);
-  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes && !uncastable)
+  // (a few integers of the tensor: no value is read)
+  int64_t have = 0, need = 0;
+  const bool freed = !nested && strided && !x.is_meta() && !quantized && !functorch && !no_bytes &&
+                     storage_freed(x, &have, &need);
+  if (!nested && strided && !x.is_meta() && !quantized && !complex_to_real && !functorch && !no_bytes &&
+      !uncastable && !freed)
     return;
   // A tensor of a torch.func transform (grad, vmap, jacrev, ...): a wrapper without storage
   // of its own, valid inside the transform only; refused in every mode (the first call's
@@ -368,6 +401,16 @@ void Sink::check_layout(const at::Tensor& x) const {
             "...) in its call ", n_calls_ + 1, ": such a tensor has no values of its own outside the transform, so ",
             "a capture cannot keep, store or reduce it. Run the tracked model outside the transform (capture with ",
             "a plain forward, then apply torch.func to the model), or pass exclude= its module to track()");
+  // Memory freed before the capture saw it: no values to copy, store or reduce, and a record
+  // kept by reference would read whatever the storage holds once it is given memory again
+  // (FSDP gathers the parameter into it at its next use). Refused in every mode.
+  ACS_CHECK(!freed, "hook point '", name_, "' is a tensor whose memory was freed in its call ", n_calls_ + 1,
+            ": its storage holds ", have, " bytes, its shape ", shape_str(x.sizes()), " of ", dtype_name(x.scalar_type()),
+            " needs ", need, " (the model or its training called untyped_storage().resize_(0) on it, as FSDP does ",
+            "when it reshards a parameter), so it has no values to copy, store, reduce or keep, and reading it would ",
+            "read past the end of its memory. Capture it before it is freed (for FSDP, a module whose output is ",
+            "not a resharded parameter, or fully_shard(..., reshard_after_forward=False)), or pass exclude=",
+            module_ ? "['" + *module_ + "']" : std::string("its module"), " to track()");
   const bool copied = options_.snapshot || x.is_inference();
   const bool stored = writer_ != nullptr;
   const bool reduced = !reductions_.empty();
@@ -948,12 +991,20 @@ NamedTensors Sink::reduction_result(int64_t index) {
   NamedTensors out = reductions_[index]->result();
   for (auto& kv : out) kv.second = kv.second.clone();
   if (reduce_stream_) {
-    // and the reductions' stream waits for these copies: its next update frees the accumulators
-    // read here, whose memory that stream may then reuse
+    // and the next update waits for these copies: it changes the accumulators read here (in
+    // place, or frees them, and its stream may reuse their memory)
     c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
-    stream_waits(impl.getStream(reduce_stream_->device()), *reduce_stream_);
+    record_event(read_, impl.getStream(reduce_stream_->device()));
   }
   return out;
+}
+
+bool Sink::reduction_made_nonfinite(int64_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ACS_CHECK(index >= 0 && index < static_cast<int64_t>(reductions_.size()), "hook point '", name_,
+            "' has ", reductions_.size(), " reduction(s), no reduction ", index);
+  wait_reductions_locked();  // (a flag kept on the device is read on the current stream)
+  return reductions_[index]->made_nonfinite();
 }
 
 namespace {
@@ -989,9 +1040,10 @@ void Sink::wait_reductions() {
 }
 
 void Sink::wait_reductions_locked() {
-  if (!reduce_stream_) return;
+  if (!reduce_stream_ || !reduced_) return;
   c10::impl::VirtualGuardImpl impl(reduce_stream_->device_type());
-  stream_waits(*reduce_stream_, impl.getStream(reduce_stream_->device()));
+  const c10::Stream current = impl.getStream(reduce_stream_->device());
+  if (current != *reduce_stream_) reduced_->block(current);  // (not reduce_stream_ itself: reduced_)
 }
 
 void Sink::set_keep_forward_start(bool on) {
@@ -1022,17 +1074,24 @@ void Sink::reduce(const at::Tensor& rows) {
     // The accumulators were last made on reduce_stream_: an update on another stream (a forward
     // under another torch.cuda.stream) reads them only once that stream's kernels are done.
     c10::impl::VirtualGuardImpl impl(rows.device().type());
+    // (through the event of that update: the stream itself may be gone, reduced_)
     const c10::Stream now = impl.getStream(rows.device());
     if (reduce_stream_ && *reduce_stream_ != now) {
       before = reduce_stream_;
-      stream_waits(*before, now);
+      if (reduced_) reduced_->block(now);
+    }
+    if (read_) {  // (copies of the accumulators a reduction_result made: done before they change)
+      read_->block(now);
+      read_.reset();
     }
     reduce_stream_ = now;
   }
   // ... and that stream waits for the update: the accumulators it replaced go back to the
-  // allocator, which may hand their memory to that stream's next kernels
+  // allocator, which may hand their memory to that stream's next kernels. The update's own
+  // stream marks its end (reduced_), which the close and the next update wait for.
   auto release_before = [&] {
     if (before) stream_waits(*reduce_stream_, *before);
+    if (rows.is_cuda() && reduce_stream_) record_event(reduced_, *reduce_stream_);
   };
   try {
     run_reductions(rows);

@@ -138,6 +138,10 @@ class Sink {
   // Copies of the result of reduction `index` (in the order added), taken under the sink's
   // lock: never half of a batch's update, and later batches leave them alone.
   NamedTensors reduction_result(int64_t index);
+  // Reduction::made_nonfinite of reduction `index`, read under the sink's lock (an update of a
+  // forward still running in another thread writes the flags it reads) once the reductions'
+  // kernels are done (wait_reductions).
+  bool reduction_made_nonfinite(int64_t index);
   const std::vector<std::shared_ptr<Reduction>>& reductions() const { return reductions_; }
   // A store capture: keep the state of this hook point's reductions as it was before its first
   // call in each root forward (claimed_forward; Reduction::checkpoint), and its row count then,
@@ -281,8 +285,15 @@ class Sink {
   int64_t start_forward_ = -1;
   int64_t start_rows_ = 0;
   // The CUDA stream the reductions last ran on (the current stream of the rows' device at
-  // their last update): an update on another stream, and wait_reductions, wait for it.
+  // their last update), known by its id only: an update on another stream, and wait_reductions,
+  // wait for `reduced_`, an event recorded on it at the end of that update (while it ran the
+  // forward), never for the stream itself, which its owner may have destroyed since (a
+  // torch.cuda.ExternalStream of another library's stream, gone before the close). `read_`:
+  // recorded by reduction_result on the stream that copied the results; the next update waits
+  // for it before it changes the accumulators.
   std::optional<c10::Stream> reduce_stream_;
+  std::unique_ptr<c10::Event> reduced_;
+  std::unique_ptr<c10::Event> read_;
   void wait_reductions_locked();  // (under mu_)
   std::shared_ptr<RowConsumer> writer_;
   bool one_layout_ = false;  // (set_one_layout)

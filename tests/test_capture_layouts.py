@@ -504,3 +504,81 @@ def test_a_later_forward_under_fake_tensor_mode_is_refused_naming_fake_tensors(k
             model(x)
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model(torch.randn(2, 3))
+
+
+# ------------------------------------- freed storage: a shape over memory given back (FSDP)
+
+_FREED_SCRIPT = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import activationscope as acs
+
+class Frees(torch.nn.Module):
+    # x * 2 whose storage is resized to 0 bytes before it is returned (as FSDP frees a parameter
+    # it reshards), from call {freed_from} on
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = x * 2
+        if self.calls >= {freed_from}:
+            y.untyped_storage().resize_(0)
+        return y
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), Frees(), torch.nn.Linear(3, 3))
+
+xs = [torch.randn(2, 3), torch.randn(4, 3)]
+setups = {{
+    "snapshot": {{}},
+    "reference": {{"capture_mode": acs.CaptureMode.REFERENCE}},
+    "snapshot_reductions": {{"reductions": ["mean"]}},
+    "reference_reductions": {{"capture_mode": acs.CaptureMode.REFERENCE, "reductions": ["mean"]}},
+    "store": {{"store": {store!r} + "/a.zarr"}},
+    "reference_store": {{"store": {store!r} + "/b.zarr", "capture_mode": acs.CaptureMode.REFERENCE}},
+    "store_cast": {{"store": {store!r} + "/c.zarr", "storage_dtype": torch.bfloat16, "reductions": ["mean"]}},
+}}
+for setup, kw in setups.items():
+    m = model()
+    try:
+        with torch.no_grad(), acs.ActivationScope(**kw).track(m) as tracker:
+            for x in xs:
+                m(x)  # (refused at '1.output': the Linear after it never reads the freed tensor)
+    except acs.CaptureError as e:
+        msg = str(e)
+        assert "hook point '1.output' is a tensor whose memory was freed in its call {freed_from}" in msg, msg
+        assert "holds 0 bytes" in msg and "resize_(0)" in msg and "FSDP" in msg, msg
+        assert "exclude=['1']" in msg, msg
+    else:
+        raise AssertionError(setup + ": no CaptureError")
+    if {freed_from} == 2:  # the first forward's records or rows are whole
+        with torch.no_grad():
+            want = m[0](xs[0]) * 2
+        if "store" in kw:
+            got = acs.open_store(kw["store"])["1.output"][:]
+            assert torch.equal(got, want.to(got.dtype)), setup
+        elif setup == "snapshot":
+            assert torch.equal(tracker.activations["1.output"][0], want), setup
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("freed_from", [1, 2], ids=["first-call", "later-call"])
+def test_a_tensor_whose_storage_was_freed_is_refused_naming_the_hook_point(tmp_path, freed_from):
+    """A tensor whose storage was resized to 0 bytes (``untyped_storage().resize_(0)``, as FSDP
+    frees a parameter it reshards) keeps its shape over no memory: the copy of a SNAPSHOT record,
+    a store's rows or a reduction read past the storage's end and the process died (SIGSEGV, as
+    plain ``t.clone()`` does), and a REFERENCE record would read whatever the storage holds once
+    it is given memory again. Now CaptureError naming the hook point, the bytes and the fix, in
+    every mode, before anything of the call is kept; earlier forwards stay whole."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _FREED_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path), freed_from=freed_from)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-2000:])

@@ -596,3 +596,49 @@ def test_reductions_read_while_another_thread_updates_them_are_whole_batches():
         ref = m(xs[0]).sum(0) + m(xs[1]).sum(0)
     torch.testing.assert_close(read, ref)
     torch.testing.assert_close(t.reductions["0.output"]["two_step_sum"], ref)
+
+
+def test_close_reads_made_nonfinite_of_a_reduction_a_left_forward_still_updates(monkeypatch):
+    # The close gives up waiting for a forward of another thread that is inside a custom
+    # reduction's update (an eager one, sleeping before it returns -inf made of finite rows):
+    # its NaN-or-inf check reads the reduction's flags under the hook point's lock
+    # (Sink.reduction_made_nonfinite), so that update ends first, and the close warns as after
+    # a forward that ended.
+    from activationscope.capture import scope as scope_module
+
+    monkeypatch.setattr(scope_module, "_CLOSE_WAIT_S", 0.1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    entered = threading.Event()
+    errors = []
+
+    def log_of_zeros(acc, x):  # not TorchScript (threading): an eager Python reduction
+        if threading.current_thread().name == "capture":
+            entered.set()
+            time.sleep(1.0)  # the close runs meanwhile
+        s = (x * 0.0).abs().log().sum(0)  # -inf of finite rows
+        return s if acc is None else acc + s
+
+    def run():
+        try:
+            m(x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scope = ActivationScope(reductions={"0.output": [log_of_zeros]})
+    th = threading.Thread(target=run, name="capture")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CaptureError, match="still ran in other threads"):
+            with scope.track(m):
+                th.start()
+                assert entered.wait(5)
+        th.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError) and "was closed" in str(errors[0])
+    messages = [str(w.message) for w in caught if "whose result holds NaN or inf" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert messages[0].startswith("custom reduction(s) whose result holds NaN or inf made of finite rows: "
+                                  "'log_of_zeros' of hook point '0.output' (3 of 3 values NaN or inf). ")

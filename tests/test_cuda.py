@@ -595,6 +595,40 @@ def test_reductions_of_a_model_on_a_stream_of_its_own_are_read_after_its_kernels
     torch.testing.assert_close(red["s"], rows.sum(0), rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("in_store", [False, True], ids=["memory", "store"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_close_after_the_external_stream_of_the_forwards_was_destroyed(tmp_path, in_store):
+    # The forwards run on a torch.cuda.ExternalStream of a stream made outside torch (as another
+    # library's), which its owner destroys before the close. The sinks kept that stream to wait
+    # for the reductions' kernels: the close, and a read of tracker.reductions, recorded an event
+    # on the destroyed stream and failed (a CUDA error). They now wait for an event recorded at
+    # the end of each update, while the stream ran the forward.
+    import ctypes
+
+    cudart = torch.cuda.cudart()
+    handle = ctypes.c_void_p(0)
+    assert int(cudart.cudaStreamCreate(ctypes.addressof(handle))) == 0 and handle.value
+    model = _deep("cuda", depth=1)
+    xs = [torch.randn(64, 256, device="cuda") for _ in range(3)]
+    path = str(tmp_path / "ext.zarr") if in_store else None
+    scope = acs.ActivationScope(store=path, reductions=["mean", ("s", _sum_rows)])
+    with scope.track(model, include=["0"]) as tr:
+        ext = torch.cuda.ExternalStream(handle.value)
+        ext.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(ext):
+            for x in xs:
+                model(x)
+        ext.synchronize()
+        del ext
+        assert int(cudart.cudaStreamDestroy(handle.value)) == 0
+    rows = torch.cat([model[0](x) for x in xs]).double().cpu()
+    red = acs.open_store(path).reductions["0.output"] if in_store else tr.reductions["0.output"]
+    torch.testing.assert_close(red["mean"].cpu(), rows.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(red["s"].cpu(), rows.sum(0), rtol=1e-12, atol=1e-9)
+
+
 @pytest.mark.parametrize("store", [False, True], ids=["memory", "store"])
 @torch.no_grad()
 def test_a_forward_during_cuda_graph_capture_is_refused(tmp_path, monkeypatch, store):

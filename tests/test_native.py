@@ -3,6 +3,8 @@ exceptions raised inside the forward wrapper's call slot reach the caller with t
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -96,3 +98,57 @@ def test_wrapper_slot_returns_the_forward_result_and_records_it():
 def test_token_row_rule(shape, mask_shape, expected):
     mask = None if mask_shape is None else torch.ones(mask_shape, dtype=torch.bool)
     assert _C.is_token_rows(torch.zeros(shape), mask) is expected
+
+
+def _log_of_zeros(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = (x * 0.0).abs().log().sum(0)  # -inf of finite rows
+    return s if acc is None else acc + s
+
+
+def _plain_sum(acc: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return x.sum(0) if acc is None else acc + x.sum(0)
+
+
+def test_sink_reads_made_nonfinite_under_its_lock_once_the_update_is_done():
+    """``Sink.reduction_made_nonfinite`` (what the close reads) takes the hook point's lock, so a
+    forward still updating the reduction in another thread is waited for: read on the reduction
+    itself meanwhile, the flags are those from before the update, which is still to set them."""
+    import threading
+    import time
+
+    from activationscope.capture.reductions import EagerReduction
+
+    entered = threading.Event()
+
+    def slow_log_of_zeros(acc, x):
+        entered.set()
+        time.sleep(0.3)
+        return _log_of_zeros(acc, x)
+
+    red = EagerReduction(slow_log_of_zeros)
+    sink = _C.Sink("h", keep=2)
+    sink.add_reduction(red)
+    th = threading.Thread(target=sink.consume, args=(torch.ones(2, 3), torch.Tensor()))
+    th.start()
+    assert entered.wait(5)
+    assert red.made_nonfinite is False  # (unlocked: the update has not set it yet)
+    assert sink.reduction_made_nonfinite(0) is True
+    th.join(5)
+
+
+def test_sink_made_nonfinite_of_each_reduction_kind():
+    """The eager reduction's own ``made_nonfinite`` is asked through the native interface (it
+    answered the built-ins' False there), a TorchScript one's is its native flags, a built-in's
+    False; an index past the reductions is an error naming the hook point."""
+    from activationscope.capture.reductions import EagerReduction, make_reduction
+
+    sink = _C.Sink("h", keep=2)
+    # (held here, as a capture holds its reductions: an eager one's Python side must outlive its use)
+    reds = [EagerReduction(_log_of_zeros), make_reduction(_log_of_zeros), make_reduction(_plain_sum),
+            make_reduction("mean")]
+    for red in reds:
+        sink.add_reduction(red)
+    sink.consume(torch.ones(2, 3), torch.Tensor())
+    assert [sink.reduction_made_nonfinite(i) for i in range(4)] == [True, True, False, False]
+    with pytest.raises(acs.CaptureError, match="hook point 'h' has 4 reduction"):
+        sink.reduction_made_nonfinite(4)

@@ -3334,7 +3334,9 @@ class Tracker:
             if sink is None:  # (a resumed hook point not captured again)
                 continue
             for i, (red_name, red) in enumerate(zip(names, objects)):
-                if str(red.kind) not in ("script", "eager") or not red.made_nonfinite:
+                # (read through the sink, under its lock: a forward the close left running in
+                # another thread may still be updating the reduction and its flags)
+                if str(red.kind) not in ("script", "eager") or not sink.reduction_made_nonfinite(i):
                     continue
                 value = sink.reduction_result(i).get("value")
                 n_bad = 0 if value is None or value.layout != torch.strided else int(
