@@ -10,6 +10,7 @@ import linecache
 import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -844,6 +845,62 @@ def test_ctrl_c_at_each_line_of_the_writer_discard_of_a_resume_then_again(tmp_pa
             assert _files(path) == found, k
         assert acs.open_store(path).verify() == [], k
         assert writer_holding(B.resolve(str(path))) is None, k
+
+
+def _resumed_rank_writer(path, rows):
+    """A RankWriter of a rank store of its own (``RankStore(0, 2)``, no process group) resuming
+    the rank store :func:`_writer_left_open` closed at ``path``, given ``rows`` more sample rows of
+    arrays ``a`` and ``b`` and a mean reduction of ``a``, none committed; and the rank store's
+    files as found (:func:`_files`): ``(writer, found)``."""
+    from activationscope.store.ranks import open_capture_writer
+
+    group = acs.RankStore(0, 2)
+    _writer_left_open(path, make=open_capture_writer, process_group=group).close()
+    found = _files(path / "ranks" / "00000")
+    w = open_capture_writer(str(path), process_group=group, chunk_rows=4, shard_rows=16, commit_interval=0,
+                            resume=True)
+    assert w.path == str(path / "ranks" / "00000")
+    for i, hp in enumerate(("a", "b")):
+        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(rows, 8) + i)
+    w.add_batch(rows, list(range(36, 36 + rows)))
+    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    return w, found
+
+
+@pytest.mark.parametrize("again", ["discard", "close", "abort"])
+@pytest.mark.parametrize("module", ["ranks", "writer"])
+def test_ctrl_c_at_each_line_of_a_rank_store_discard_then_again(tmp_path, module, again):
+    # a Ctrl-C at each line of RankWriter.discard (module "ranks") and of the rank store's
+    # StoreWriter.discard it calls ("writer"), for a resumed rank store of its own (RankStore,
+    # no process group): one before the rank store's discard began (or before its try) left
+    # that writer open, and the RankWriter's discard (or close, abort) called again aborted it,
+    # committing this run's rows into the rank store, or, close, committed it complete. Now
+    # the one called again finishes the discard: the rank store's files are the found ones
+    from activationscope.store import _backend as B
+    from activationscope.store import ranks as R
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    file = (R if module == "ranks" else W).__file__
+    w, found = _resumed_rank_writer(tmp_path / "counted.zarr", 20)
+    with _InterruptInFunction(file, ("discard",), None) as counted:
+        w.discard()
+    assert counted.n > (3 if module == "ranks" else 5) and _files(Path(w.path)) == found
+    for k in range(1, counted.n + 1):
+        w, found = _resumed_rank_writer(tmp_path / f"{k}.zarr", 20)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                with _InterruptInFunction(file, ("discard",), k):
+                    w.discard()
+            except KeyboardInterrupt:
+                pass
+            begun = bool(w._done)  # (a close or abort before the discard began commits this run's rows)
+            getattr(w, again)()
+        if again == "discard" or begun:
+            assert _files(Path(w.path)) == found, k
+        assert acs.open_store(w.path).verify() == [], k
+        assert writer_holding(B.resolve(w.path)) is None, k
 
 
 def _files(path) -> dict[str, bytes]:
