@@ -655,6 +655,62 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_
         assert not list(tmp_path.glob(f".{k}.zarr.replaced-*")), k  # (overwrite: the old store went)
 
 
+@pytest.mark.parametrize("again", ["close", "abort", "discard"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_close_that_failed_then_a_ctrl_c_in_its_clean_up_then_again_commits_nothing_more(tmp_path, monkeypatch,
+                                                                                         overwrite, again):
+    # StoreWriter.close whose commit raised (a manifest on a full disk), then a Ctrl-C in its
+    # clean-up (the lock still held): the writer still recorded the close's status as that of a
+    # close cut short before its commit, so close() called again committed it: overwriting a
+    # store, this run's root over the old store the failed close had put back (a store of this
+    # run's row count over the old one's files: a shard missing, a row table part of another
+    # crc32c), else a complete store where the close had said it failed. Now the one called
+    # again finishes the clean-up only: the store as the failed close leaves it uninterrupted
+    import errno
+    import os
+
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    def failed_close(path, interrupted):
+        if overwrite:
+            _writer_left_open(path).close()
+            w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+            w.open_array("x", (8,), torch.float32, "sample").append(torch.randn(4, 8))
+            w.add_batch(4)
+        else:
+            w = _writer_left_open(path)
+        real = os.replace
+
+        def full(src, dst, *args, **kwargs):  # (the disk is full from here on)
+            if str(dst).endswith("manifest.json"):
+                raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+            return real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", full)
+        if interrupted:
+            _interrupt_once(monkeypatch, W.StoreWriter, "_cleanup", lambda *args: True)
+        with pytest.raises(KeyboardInterrupt if interrupted else acs.StoreError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w.close()
+        monkeypatch.undo()
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    failed_close(want, False)
+    w = failed_close(path, True)
+    assert writer_holding(B.resolve(str(path))) is not None  # (the Ctrl-C came before the lock went)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        getattr(w, again)()
+    _same_store(path, want)
+    assert acs.open_store(path).verify() == []
+    assert writer_holding(B.resolve(str(path))) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr", "want.zarr"]  # (nothing left aside)
+
+
 @pytest.mark.parametrize("again", ["discard", "close"])
 @pytest.mark.parametrize("where", [("_backend", "clear_for_restore", "self.clear()", 1),
                                    ("writer", "_settle_aside", "self._aside_cleared = True", 1),

@@ -4693,9 +4693,9 @@ class StoreWriter:
         A close cut short by a Ctrl-C before its commit keeps the lock, the rows it flushed and an
         old store ``overwrite=True`` moved aside: called again, it finishes that close as it began
         (its ``status``), every row handed to the writer before it committed, the store as an
-        uninterrupted close leaves it. Called again after a close (cut short after its commit),
-        :meth:`abort` or :meth:`discard` that a Ctrl-C (or several) cut short before it released
-        the lock, it finishes that one: the writer thread stopped (the chunks handed to it
+        uninterrupted close leaves it. Called again after a close (cut short after its commit, or
+        one that raised, such as a commit on a full disk), :meth:`abort` or :meth:`discard` that
+        a Ctrl-C (or several) cut short before it released the lock, it finishes that one: the writer thread stopped (the chunks handed to it
         written first), the temporary files removed, the lock released; nothing more is
         committed, the store stays at its last commit (``resume=True`` continues it). Called
         again after a close cut short as it waited for the delete of the store ``overwrite=True``
@@ -4757,6 +4757,12 @@ class StoreWriter:
                 # (before its commit: the lock stays held, the rows flushed stay in their shards and
                 # an old store moved aside stays there, for the close called again to commit them)
                 pending = self._closing is not None
+                raise
+            except BaseException:
+                # (failed: no commit is left to finish. Called again, after a Ctrl-C in the clean-up
+                # below, the close only finishes that, as abort() does: a commit then would write this
+                # run's root over the old store an overwrite put back)
+                self._closing = None
                 raise
             finally:
                 if not pending:
