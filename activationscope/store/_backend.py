@@ -775,6 +775,24 @@ class LocalBackend:
                 "back whole if the new one commits nothing), or, to keep the old store, move every entry of that "
                 f"folder back into {str(self.root)!r} (zarr.json last) and delete the empty folder")
 
+    def unstarted_store_aside(self, attrs: dict | None) -> Path | None:
+        """The folder of :meth:`aside_folders` that holds the whole store an ``overwrite=True``
+        was replacing, when the root at the path (``attrs``, its parsed attributes) is that of
+        its run killed before its first commit (the store :meth:`drop_unstarted_store` removes:
+        status ``incomplete``, no batch, no array with rows, no rank store's; or the uncommitted
+        root of a multi-rank run) and exactly one such folder holds a store's root; else None."""
+        if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
+                or "rank_store" in attrs):  # (rank stores hold rows of their own)
+            return None
+        dist = attrs.get("distributed")
+        if "distributed" in attrs and not (isinstance(dist, dict) and dist.get("committed") is False):
+            return None
+        arrays = attrs.get("arrays") or {}
+        if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):
+            return None
+        moved = self.moved_roots()
+        return moved[0] if len(moved) == 1 else None
+
     def drop_unstarted_store(self, attrs: dict | None) -> bool:
         """``overwrite=True`` of a store folder whose root (``attrs``, its parsed attributes) is
         that of a run that committed no forward (status ``incomplete``, no batch, no array with
@@ -789,16 +807,7 @@ class LocalBackend:
         The root may also be the uncommitted root of a multi-rank run (``distributed.committed``
         false): its rank stores (``ranks/``), whose rows no commit took, go with it, for an
         overwrite of one process (``StoreWriter``) as of many ranks (``prepare_root``) alike."""
-        if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
-                or "rank_store" in attrs):  # (rank stores hold rows of their own)
-            return False
-        dist = attrs.get("distributed")
-        if "distributed" in attrs and not (isinstance(dist, dict) and dist.get("committed") is False):
-            return False
-        arrays = attrs.get("arrays") or {}
-        if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):
-            return False
-        if len(self.moved_roots()) != 1:
+        if self.unstarted_store_aside(attrs) is None:
             return False
         for p in sorted(self.root.iterdir(), key=lambda q: q.name):
             if p.name in (LOCK_KEY, "zarr.json"):

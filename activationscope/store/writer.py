@@ -1465,6 +1465,19 @@ class StoreWriter:
                 self._found_root = bytes(raw)
                 self._segmented = ours["format"]["version"] == F.SEGMENTS_VERSION
             else:
+                aside = self._backend.unstarted_store_aside(ours) if isinstance(self._backend, LocalBackend) else None
+                if aside is not None:
+                    where = repr(str(self._backend))
+                    raise StoreExistsError(
+                        f"a store already exists at {where} (status {status!r}), but it is the new store of an "
+                        f"overwrite=True killed before its first commit (it holds no row), and the store that "
+                        f"overwrite=True was replacing is still whole in {str(aside)!r}; nothing was changed. To put that "
+                        f"store back, with no writer running: StoreWriter({where}, overwrite=True).abort() (it removes "
+                        f"the store of no row and moves the old one back), or by hand remove every entry of {where} and "
+                        f"move those of {str(aside)!r} back into it (zarr.json last), then delete the empty folder. To "
+                        f"drop the old store, delete {str(aside)!r} (or capture with overwrite=True: it deletes that "
+                        "store once this capture commits, and puts it back if it commits nothing)"
+                    )
                 raise StoreExistsError(
                     f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
                     "replace it or resume=True to continue it"
