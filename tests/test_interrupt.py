@@ -110,6 +110,42 @@ def _store_cell(model, xs, path, stop=None, trackers=None, **options):
                 raise KeyboardInterrupt("in the loop")
 
 
+def test_two_ctrl_cs_as_the_store_of_no_row_is_removed_then_the_cell_again(tmp_path):
+    # a Ctrl-C in a store capture before its first commit, then a second one as the tracker removed
+    # the store of no row, its root document gone and its folders not: the folder left (a store's
+    # entries, no root document) was refused by the cell run again, with overwrite=True too, as
+    # "not empty but holds no Zarr store ... overwrite=True only replaces stores". Now the cell
+    # with neither flag is refused naming what the folder holds and the fix, changing nothing,
+    # and the cell with overwrite=True replaces it
+    from activationscope.store import _backend as B
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    path = tmp_path / "s.zarr"
+
+    def stop(module, args):  # (the first Ctrl-C: in the first forward, before any row was recorded)
+        raise KeyboardInterrupt("in the forward")
+
+    hook = model[1].register_forward_pre_hook(stop)
+    at = _InterruptAtLine(B.__file__, "clear", "shutil.rmtree(p)", 1)  # (the root document is removed first)
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            _store_cell(model, xs, path)
+    hook.remove()
+    assert at.raised and not (path / "zarr.json").exists() and (path / "acts").is_dir()
+    found = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    with pytest.raises(acs.StoreExistsError, match=r"holds entries of a store \('acts'.*\) but no root document "
+                                                   r"\(zarr\.json\).*nothing was changed\. Pass overwrite=True .* "
+                                                   r"or remove the folder"):
+        _store_cell(model, xs, path)
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")} == found
+    _store_cell(model, xs, path, overwrite=True)
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_samples == 6 and store.verify() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # (nothing left aside)
+
+
 def _interrupt_once(monkeypatch, owner, name, when):
     """Make ``owner.name`` raise KeyboardInterrupt the first time ``when(*args)`` holds."""
     real = getattr(owner, name)

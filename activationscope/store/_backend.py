@@ -747,6 +747,32 @@ class LocalBackend:
         except OSError:
             return None
 
+    def rootless_store_entries(self) -> list[str]:
+        """The entries (but the writer lock) of a store folder that holds no root document and
+        nothing but a store's entries (``acts``, ``rows``, ``reductions``, ``ranks`` as real
+        folders; temporary files and file-manager clutter as regular files), while nothing next to
+        it is named as a folder of :meth:`aside_folders` (a link, or one without a root document,
+        included: the root, or the rest of a store, may be there): what a removal of the store
+        cut short leaves (its root document gone, e.g. a Ctrl-C while a capture that committed
+        no row removed its store), which nothing reads as a store. Sorted; empty when the folder is not such a one
+        (a root document there, an entry of another kind, or nothing but the lock)."""
+        try:
+            if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
+                return []
+            real = Path(os.path.realpath(self.root))
+            pattern = re.compile(re.escape(f".{real.name}.replaced-") + "[0-9a-f]{8}")
+            if any(pattern.fullmatch(p.name) for p in real.parent.iterdir()):
+                return []
+            entries = [p for p in self.root.iterdir() if p.name != LOCK_KEY]
+            for p in entries:
+                if p.is_symlink() or _foreign_names([p.name]):
+                    return []
+                if (p.name in _STORE_FOLDERS) != p.is_dir() or not (p.is_dir() or p.is_file()):
+                    return []
+            return sorted(p.name for p in entries)
+        except OSError:
+            return []
+
     def moved_roots(self) -> list[Path]:
         """The folders of :meth:`aside_folders` that hold the root document of an
         activationscope store (``zarr.json`` with our attributes): a store an overwrite moved

@@ -1425,8 +1425,10 @@ class StoreWriter:
                 # the old store, whole again in the folder the killed overwrite made: settled as one
                 # this writer moved (deleted once the new store commits, else put back)
                 self._aside = adopted
-            elif self._backend.size("zarr.json") is not None or self._backend.is_empty():
-                # a store (even a damaged one) or nothing: replaced. A local one is moved aside
+            elif self._backend.size("zarr.json") is not None or self._backend.is_empty() or (
+                    isinstance(b, LocalBackend) and b.rootless_store_entries()):
+                # a store (even a damaged one: a root-less folder of a store's entries, what a removal cut
+                # short leaves, too) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
                 refuse_foreign_entries(self._backend)
                 if isinstance(self._backend, LocalBackend):
@@ -1488,6 +1490,15 @@ class StoreWriter:
                 "drop resume=True to start a new store"
             )
         elif not self._replacing and not self._backend.is_empty():
+            left = b.rootless_store_entries() if isinstance(b, LocalBackend) else []
+            if left:
+                raise StoreExistsError(
+                    f"{str(b)!r} holds entries of a store ({', '.join(map(repr, left))}) but no root document "
+                    "(zarr.json): what is left of a store whose removal was cut short (a Ctrl-C while a capture that "
+                    "committed no row removed its store), or of one whose root document was deleted; nothing reads it "
+                    "as a store and nothing was changed. Pass overwrite=True (CLI: --overwrite) to replace it, or "
+                    f"remove the folder {str(b)!r}"
+                )
             raise StoreExistsError(
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
