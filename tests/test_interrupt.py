@@ -10,6 +10,7 @@ import linecache
 import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +108,42 @@ def _store_cell(model, xs, path, stop=None, trackers=None, **options):
             model(x)
             if stop is not None:
                 raise KeyboardInterrupt("in the loop")
+
+
+def test_two_ctrl_cs_as_the_store_of_no_row_is_removed_then_the_cell_again(tmp_path):
+    # a Ctrl-C in a store capture before its first commit, then a second one as the tracker removed
+    # the store of no row, its root document gone and its folders not: the folder left (a store's
+    # entries, no root document) was refused by the cell run again, with overwrite=True too, as
+    # "not empty but holds no Zarr store ... overwrite=True only replaces stores". Now the cell
+    # with neither flag is refused naming what the folder holds and the fix, changing nothing,
+    # and the cell with overwrite=True replaces it
+    from activationscope.store import _backend as B
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    path = tmp_path / "s.zarr"
+
+    def stop(module, args):  # (the first Ctrl-C: in the first forward, before any row was recorded)
+        raise KeyboardInterrupt("in the forward")
+
+    hook = model[1].register_forward_pre_hook(stop)
+    at = _InterruptAtLine(B.__file__, "clear", "shutil.rmtree(p)", 1)  # (the root document is removed first)
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with at:
+            _store_cell(model, xs, path)
+    hook.remove()
+    assert at.raised and not (path / "zarr.json").exists() and (path / "acts").is_dir()
+    found = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    with pytest.raises(acs.StoreExistsError, match=r"holds entries of a store \('acts'.*\) but no root document "
+                                                   r"\(zarr\.json\).*nothing was changed\. Pass overwrite=True .* "
+                                                   r"or remove the folder"):
+        _store_cell(model, xs, path)
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")} == found
+    _store_cell(model, xs, path, overwrite=True)
+    store = acs.open_store(path)
+    assert store.status == "complete" and store.n_samples == 6 and store.verify() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # (nothing left aside)
 
 
 def _interrupt_once(monkeypatch, owner, name, when):
@@ -654,6 +691,62 @@ def test_ctrl_c_at_each_line_of_the_writer_close_then_close_again_commits_every_
         assert not list(tmp_path.glob(f".{k}.zarr.replaced-*")), k  # (overwrite: the old store went)
 
 
+@pytest.mark.parametrize("again", ["close", "abort", "discard"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_close_that_failed_then_a_ctrl_c_in_its_clean_up_then_again_commits_nothing_more(tmp_path, monkeypatch,
+                                                                                         overwrite, again):
+    # StoreWriter.close whose commit raised (a manifest on a full disk), then a Ctrl-C in its
+    # clean-up (the lock still held): the writer still recorded the close's status as that of a
+    # close cut short before its commit, so close() called again committed it: overwriting a
+    # store, this run's root over the old store the failed close had put back (a store of this
+    # run's row count over the old one's files: a shard missing, a row table part of another
+    # crc32c), else a complete store where the close had said it failed. Now the one called
+    # again finishes the clean-up only: the store as the failed close leaves it uninterrupted
+    import errno
+    import os
+
+    from activationscope.store import StoreWriter
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    def failed_close(path, interrupted):
+        if overwrite:
+            _writer_left_open(path).close()
+            w = StoreWriter(str(path), overwrite=True, commit_interval=0)
+            w.open_array("x", (8,), torch.float32, "sample").append(torch.randn(4, 8))
+            w.add_batch(4)
+        else:
+            w = _writer_left_open(path)
+        real = os.replace
+
+        def full(src, dst, *args, **kwargs):  # (the disk is full from here on)
+            if str(dst).endswith("manifest.json"):
+                raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+            return real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", full)
+        if interrupted:
+            _interrupt_once(monkeypatch, W.StoreWriter, "_cleanup", lambda *args: True)
+        with pytest.raises(KeyboardInterrupt if interrupted else acs.StoreError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w.close()
+        monkeypatch.undo()
+        return w
+
+    want, path = tmp_path / "want.zarr", tmp_path / "s.zarr"
+    failed_close(want, False)
+    w = failed_close(path, True)
+    assert writer_holding(B.resolve(str(path))) is not None  # (the Ctrl-C came before the lock went)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        getattr(w, again)()
+    _same_store(path, want)
+    assert acs.open_store(path).verify() == []
+    assert writer_holding(B.resolve(str(path))) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr", "want.zarr"]  # (nothing left aside)
+
+
 @pytest.mark.parametrize("again", ["discard", "close"])
 @pytest.mark.parametrize("where", [("_backend", "clear_for_restore", "self.clear()", 1),
                                    ("writer", "_settle_aside", "self._aside_cleared = True", 1),
@@ -844,6 +937,62 @@ def test_ctrl_c_at_each_line_of_the_writer_discard_of_a_resume_then_again(tmp_pa
             assert _files(path) == found, k
         assert acs.open_store(path).verify() == [], k
         assert writer_holding(B.resolve(str(path))) is None, k
+
+
+def _resumed_rank_writer(path, rows):
+    """A RankWriter of a rank store of its own (``RankStore(0, 2)``, no process group) resuming
+    the rank store :func:`_writer_left_open` closed at ``path``, given ``rows`` more sample rows of
+    arrays ``a`` and ``b`` and a mean reduction of ``a``, none committed; and the rank store's
+    files as found (:func:`_files`): ``(writer, found)``."""
+    from activationscope.store.ranks import open_capture_writer
+
+    group = acs.RankStore(0, 2)
+    _writer_left_open(path, make=open_capture_writer, process_group=group).close()
+    found = _files(path / "ranks" / "00000")
+    w = open_capture_writer(str(path), process_group=group, chunk_rows=4, shard_rows=16, commit_interval=0,
+                            resume=True)
+    assert w.path == str(path / "ranks" / "00000")
+    for i, hp in enumerate(("a", "b")):
+        w.open_array(hp, (8,), torch.float32, "sample").append(torch.randn(rows, 8) + i)
+    w.add_batch(rows, list(range(36, 36 + rows)))
+    w.add_reductions("a", "mean", _Mean(torch.zeros(8, dtype=torch.float64)))
+    return w, found
+
+
+@pytest.mark.parametrize("again", ["discard", "close", "abort"])
+@pytest.mark.parametrize("module", ["ranks", "writer"])
+def test_ctrl_c_at_each_line_of_a_rank_store_discard_then_again(tmp_path, module, again):
+    # a Ctrl-C at each line of RankWriter.discard (module "ranks") and of the rank store's
+    # StoreWriter.discard it calls ("writer"), for a resumed rank store of its own (RankStore,
+    # no process group): one before the rank store's discard began (or before its try) left
+    # that writer open, and the RankWriter's discard (or close, abort) called again aborted it,
+    # committing this run's rows into the rank store, or, close, committed it complete. Now
+    # the one called again finishes the discard: the rank store's files are the found ones
+    from activationscope.store import _backend as B
+    from activationscope.store import ranks as R
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    file = (R if module == "ranks" else W).__file__
+    w, found = _resumed_rank_writer(tmp_path / "counted.zarr", 20)
+    with _InterruptInFunction(file, ("discard",), None) as counted:
+        w.discard()
+    assert counted.n > (3 if module == "ranks" else 5) and _files(Path(w.path)) == found
+    for k in range(1, counted.n + 1):
+        w, found = _resumed_rank_writer(tmp_path / f"{k}.zarr", 20)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                with _InterruptInFunction(file, ("discard",), k):
+                    w.discard()
+            except KeyboardInterrupt:
+                pass
+            begun = bool(w._done)  # (a close or abort before the discard began commits this run's rows)
+            getattr(w, again)()
+        if again == "discard" or begun:
+            assert _files(Path(w.path)) == found, k
+        assert acs.open_store(w.path).verify() == [], k
+        assert writer_holding(B.resolve(w.path)) is None, k
 
 
 def _files(path) -> dict[str, bytes]:

@@ -747,6 +747,32 @@ class LocalBackend:
         except OSError:
             return None
 
+    def rootless_store_entries(self) -> list[str]:
+        """The entries (but the writer lock) of a store folder that holds no root document and
+        nothing but a store's entries (``acts``, ``rows``, ``reductions``, ``ranks`` as real
+        folders; temporary files and file-manager clutter as regular files), while nothing next to
+        it is named as a folder of :meth:`aside_folders` (a link, or one without a root document,
+        included: the root, or the rest of a store, may be there): what a removal of the store
+        cut short leaves (its root document gone, e.g. a Ctrl-C while a capture that committed
+        no row removed its store), which nothing reads as a store. Sorted; empty when the folder is not such a one
+        (a root document there, an entry of another kind, or nothing but the lock)."""
+        try:
+            if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
+                return []
+            real = Path(os.path.realpath(self.root))
+            pattern = re.compile(re.escape(f".{real.name}.replaced-") + "[0-9a-f]{8}")
+            if any(pattern.fullmatch(p.name) for p in real.parent.iterdir()):
+                return []
+            entries = [p for p in self.root.iterdir() if p.name != LOCK_KEY]
+            for p in entries:
+                if p.is_symlink() or _foreign_names([p.name]):
+                    return []
+                if (p.name in _STORE_FOLDERS) != p.is_dir() or not (p.is_dir() or p.is_file()):
+                    return []
+            return sorted(p.name for p in entries)
+        except OSError:
+            return []
+
     def moved_roots(self) -> list[Path]:
         """The folders of :meth:`aside_folders` that hold the root document of an
         activationscope store (``zarr.json`` with our attributes): a store an overwrite moved
@@ -775,6 +801,24 @@ class LocalBackend:
                 "back whole if the new one commits nothing), or, to keep the old store, move every entry of that "
                 f"folder back into {str(self.root)!r} (zarr.json last) and delete the empty folder")
 
+    def unstarted_store_aside(self, attrs: dict | None) -> Path | None:
+        """The folder of :meth:`aside_folders` that holds the whole store an ``overwrite=True``
+        was replacing, when the root at the path (``attrs``, its parsed attributes) is that of
+        its run killed before its first commit (the store :meth:`drop_unstarted_store` removes:
+        status ``incomplete``, no batch, no array with rows, no rank store's; or the uncommitted
+        root of a multi-rank run) and exactly one such folder holds a store's root; else None."""
+        if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
+                or "rank_store" in attrs):  # (rank stores hold rows of their own)
+            return None
+        dist = attrs.get("distributed")
+        if "distributed" in attrs and not (isinstance(dist, dict) and dist.get("committed") is False):
+            return None
+        arrays = attrs.get("arrays") or {}
+        if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):
+            return None
+        moved = self.moved_roots()
+        return moved[0] if len(moved) == 1 else None
+
     def drop_unstarted_store(self, attrs: dict | None) -> bool:
         """``overwrite=True`` of a store folder whose root (``attrs``, its parsed attributes) is
         that of a run that committed no forward (status ``incomplete``, no batch, no array with
@@ -789,16 +833,7 @@ class LocalBackend:
         The root may also be the uncommitted root of a multi-rank run (``distributed.committed``
         false): its rank stores (``ranks/``), whose rows no commit took, go with it, for an
         overwrite of one process (``StoreWriter``) as of many ranks (``prepare_root``) alike."""
-        if (not isinstance(attrs, dict) or attrs.get("status") != "incomplete" or attrs.get("n_batches") != 0
-                or "rank_store" in attrs):  # (rank stores hold rows of their own)
-            return False
-        dist = attrs.get("distributed")
-        if "distributed" in attrs and not (isinstance(dist, dict) and dist.get("committed") is False):
-            return False
-        arrays = attrs.get("arrays") or {}
-        if any(not isinstance(a, dict) or a.get("n_rows") != 0 for a in arrays.values()):
-            return False
-        if len(self.moved_roots()) != 1:
+        if self.unstarted_store_aside(attrs) is None:
             return False
         for p in sorted(self.root.iterdir(), key=lambda q: q.name):
             if p.name in (LOCK_KEY, "zarr.json"):

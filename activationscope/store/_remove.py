@@ -15,7 +15,9 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
 
     A store qualifies when it opens, ``n_samples == 0`` and every hook point has 0 committed
     rows. Everything is removed under the store's writer lock (a store being written by
-    someone else is left alone); anything that is not such a store is never touched.
+    someone else is left alone), a local store's root document first (a removal cut short
+    leaves entries of a store with no root document, which a writer with ``overwrite=True``
+    replaces); anything that is not such a store is never touched.
 
     Parameters
     ----------
@@ -63,6 +65,12 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
                 return False
         finally:
             store.close()
+        if isinstance(backend, LocalBackend):  # (its root document first, as a put-back clears: cut short, what is
+            # left reads as no store, and a capture with overwrite=True replaces it)
+            try:
+                (backend.root / "zarr.json").unlink()
+            except (FileNotFoundError, IsADirectoryError):  # (a folder there: clear() removes it)
+                pass
         backend.clear()
         removed = True
         if isinstance(backend, LocalBackend):  # (while held: no other writer holds the file it removes)

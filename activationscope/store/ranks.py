@@ -2143,7 +2143,7 @@ class RankWriter:
     def __init__(self, session: RankSession, inner: Any) -> None:
         self._session, self._inner = session, inner
         self._live: dict = {}
-        self._done = False
+        self._done: bool | str = False  # closed or aborted (True), discarded ("discard")
         self._stopped_by: BaseException | None = None
 
     #: The merge of rank stores (commit_ranks) copies arrays only: every hook point keeps its own.
@@ -2202,7 +2202,8 @@ class RankWriter:
         rank store of its own (``RankStore`` with no process group) whose close was cut short
         before its commit then commits, as :meth:`StoreWriter.close` called again does; one of
         a process group told the other ranks that it failed, and only lets go of its lock
-        (``resume=True`` continues it).
+        (``resume=True`` continues it). Called after a :meth:`discard` that a Ctrl-C cut short,
+        it finishes that discard (:meth:`StoreWriter.discard`), committing nothing of this run.
 
         Raises
         ------
@@ -2210,6 +2211,9 @@ class RankWriter:
             This or another rank failed, or rank 0's commit failed (nothing committed; the
             rank stores stay for resume / ``consolidate``).
         """
+        if self._done == "discard":  # (one a Ctrl-C cut short: finished, nothing of this run committed)
+            self._inner.discard()
+            return
         if self._done:
             if _close_left_to_retry(self._inner):  # (a rank store of its own: see _settle_inner)
                 self._inner.close()
@@ -2229,7 +2233,9 @@ class RankWriter:
         own, ``RankStore`` with no process group, whose close a Ctrl-C cut short before its
         commit, or before it began, is left so by that close: :meth:`close` called again
         commits it, as :meth:`StoreWriter.close` called again does; this gives it up.)"""
-        if getattr(self._inner, "_settling", False) or _close_left_to_retry(self._inner):
+        if self._done == "discard":  # (a discard cut short, before the rank store's began or in it)
+            self._inner.discard()
+        elif getattr(self._inner, "_settling", False) or _close_left_to_retry(self._inner):
             self._inner.abort()
 
     def stopped_by(self, exc: BaseException) -> None:
@@ -2242,11 +2248,15 @@ class RankWriter:
         """Close the rank store without committing anything of this run (as
         :meth:`StoreWriter.discard`: a capture refused, or whose setup failed before its first
         forward); the other ranks learn that this rank failed, with ``exc``, and nothing is
-        committed. Never raises."""
+        committed. Never raises.
+
+        A Ctrl-C that cuts it short (before the rank store's discard began, or in it) leaves
+        the discard to finish: called again (or :meth:`close`, :meth:`abort`), it puts a
+        resumed rank store back as found, committing nothing of this run."""
         if self._done:
             self._settle_inner()
             return
-        self._done = True
+        self._done = "discard"  # (from here on, close, abort or discard called again finish the discard)
         try:
             self._inner.discard()
         finally:

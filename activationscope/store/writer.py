@@ -1425,8 +1425,10 @@ class StoreWriter:
                 # the old store, whole again in the folder the killed overwrite made: settled as one
                 # this writer moved (deleted once the new store commits, else put back)
                 self._aside = adopted
-            elif self._backend.size("zarr.json") is not None or self._backend.is_empty():
-                # a store (even a damaged one) or nothing: replaced. A local one is moved aside
+            elif self._backend.size("zarr.json") is not None or self._backend.is_empty() or (
+                    isinstance(b, LocalBackend) and b.rootless_store_entries()):
+                # a store (even a damaged one: a root-less folder of a store's entries, what a removal cut
+                # short leaves, too) or nothing: replaced. A local one is moved aside
                 # and deleted only once the new one has committed (restored if it fails first).
                 refuse_foreign_entries(self._backend)
                 if isinstance(self._backend, LocalBackend):
@@ -1465,6 +1467,19 @@ class StoreWriter:
                 self._found_root = bytes(raw)
                 self._segmented = ours["format"]["version"] == F.SEGMENTS_VERSION
             else:
+                aside = self._backend.unstarted_store_aside(ours) if isinstance(self._backend, LocalBackend) else None
+                if aside is not None:
+                    where = repr(str(self._backend))
+                    raise StoreExistsError(
+                        f"a store already exists at {where} (status {status!r}), but it is the new store of an "
+                        f"overwrite=True killed before its first commit (it holds no row), and the store that "
+                        f"overwrite=True was replacing is still whole in {str(aside)!r}; nothing was changed. To put that "
+                        f"store back, with no writer running: StoreWriter({where}, overwrite=True).abort() (it removes "
+                        f"the store of no row and moves the old one back), or by hand remove every entry of {where} and "
+                        f"move those of {str(aside)!r} back into it (zarr.json last), then delete the empty folder. To "
+                        f"drop the old store, delete {str(aside)!r} (or capture with overwrite=True: it deletes that "
+                        "store once this capture commits, and puts it back if it commits nothing)"
+                    )
                 raise StoreExistsError(
                     f"a store already exists at {str(self._backend)!r} (status {status!r}); pass overwrite=True to "
                     "replace it or resume=True to continue it"
@@ -1475,6 +1490,15 @@ class StoreWriter:
                 "drop resume=True to start a new store"
             )
         elif not self._replacing and not self._backend.is_empty():
+            left = b.rootless_store_entries() if isinstance(b, LocalBackend) else []
+            if left:
+                raise StoreExistsError(
+                    f"{str(b)!r} holds entries of a store ({', '.join(map(repr, left))}) but no root document "
+                    "(zarr.json): what is left of a store whose removal was cut short (a Ctrl-C while a capture that "
+                    "committed no row removed its store), or of one whose root document was deleted; nothing reads it "
+                    "as a store and nothing was changed. Pass overwrite=True (CLI: --overwrite) to replace it, or "
+                    f"remove the folder {str(b)!r}"
+                )
             raise StoreExistsError(
                 f"{str(self._backend)!r} exists and is not empty but holds no Zarr store; choose another path "
                 "or remove it (overwrite=True only replaces stores)"
@@ -4693,9 +4717,9 @@ class StoreWriter:
         A close cut short by a Ctrl-C before its commit keeps the lock, the rows it flushed and an
         old store ``overwrite=True`` moved aside: called again, it finishes that close as it began
         (its ``status``), every row handed to the writer before it committed, the store as an
-        uninterrupted close leaves it. Called again after a close (cut short after its commit),
-        :meth:`abort` or :meth:`discard` that a Ctrl-C (or several) cut short before it released
-        the lock, it finishes that one: the writer thread stopped (the chunks handed to it
+        uninterrupted close leaves it. Called again after a close (cut short after its commit, or
+        one that raised, such as a commit on a full disk), :meth:`abort` or :meth:`discard` that
+        a Ctrl-C (or several) cut short before it released the lock, it finishes that one: the writer thread stopped (the chunks handed to it
         written first), the temporary files removed, the lock released; nothing more is
         committed, the store stays at its last commit (``resume=True`` continues it). Called
         again after a close cut short as it waited for the delete of the store ``overwrite=True``
@@ -4757,6 +4781,12 @@ class StoreWriter:
                 # (before its commit: the lock stays held, the rows flushed stay in their shards and
                 # an old store moved aside stays there, for the close called again to commit them)
                 pending = self._closing is not None
+                raise
+            except BaseException:
+                # (failed: no commit is left to finish. Called again, after a Ctrl-C in the clean-up
+                # below, the close only finishes that, as abort() does: a commit then would write this
+                # run's root over the old store an overwrite put back)
+                self._closing = None
                 raise
             finally:
                 if not pending:

@@ -445,6 +445,32 @@ def test_overwrite_killed_before_the_new_store_s_first_commit_is_settled_by_a_re
     _rerun(path, outcome, before, data)
 
 
+def test_a_new_store_on_an_unstarted_store_names_the_old_store_aside_and_its_put_back_works(tmp_path):
+    """Killed after the new store's first root, before its first commit, then a capture with
+    neither flag: refused as any existing store ("pass overwrite=True ... or resume=True"),
+    without a word of the old store whole in the folder aside (a resume then continued the
+    unstarted store, the old one left aside). Now the refusal names that folder, changing
+    nothing, and the put-back it gives leaves the old store at the path byte for byte."""
+    path = tmp_path / "s.zarr"
+    data = make_store(path, n_rows=96)
+    before = _files(path)
+    _kill(path, "first-root", 0)
+    (aside,) = _asides(tmp_path)
+    found = _everything(tmp_path)
+    with pytest.raises(StoreExistsError, match=rf"'{path}' \(status 'incomplete'\), but it is the new store of an "
+                                               rf"overwrite=True killed before its first commit .* still whole in "
+                                               rf"'{aside}'; nothing was changed\. To put that store back.*"
+                                               rf"StoreWriter\('{path}', overwrite=True\)\.abort\(\).*zarr\.json last.*"
+                                               rf"To drop the old store, delete '{aside}'"):
+        StoreWriter(path)
+    assert _everything(tmp_path) == found
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StoreWriter(path, overwrite=True).abort()  # (the put-back the message gives)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"] and _files(path) == before
+    assert torch.equal(open_store(path)[HP], data)
+
+
 def test_an_unstarted_store_is_not_removed_when_two_folders_aside_hold_a_store(tmp_path):
     """Which old store the unstarted one replaced cannot be told: it is moved aside as any store
     (nothing removed), and the folders are named in the warning as before."""
