@@ -98,7 +98,9 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     what it returns (one chunk per row group). The columns read only for its checks are then
     never decoded for the whole part at once, nor the part's columns combined into one array
     (a part of 20 million token rows read for two columns held its three decoded columns and
-    a combined copy of each: 760 MB for 320 MB kept). None: the part is read whole.
+    a combined copy of each: 760 MB for 320 MB kept). None: the part is read whole (row group
+    by row group where it holds strings inside lists or structs, which Arrow reads as
+    dictionaries a row group at a time only).
     ``max_rows``: the most rows the part may hold (the rows its table's metadata has left for
     it); None: no bound but the footer's own.
     ``metadata``: the part's footer as the caller parsed it already from ``raw`` (a
@@ -150,7 +152,12 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
             target = pa.schema([target.field(name) for name in names])
         strings = [schema.column(i).path for i in range(len(schema)) if schema.column(i).physical_type == "BYTE_ARRAY"]
         reader = pq.ParquetFile(pa.BufferReader(buf), metadata=meta, read_dictionary=strings) if strings else plain
-        groups = [None] if each is None or reader.num_row_groups < 2 else list(range(reader.num_row_groups))
+        # (strings inside lists or structs, read as dictionaries, one per row group: Arrow reads
+        # them a row group at a time only, "Nested data conversions not implemented for chunked
+        # array outputs")
+        nested = any("." in path for path in strings)
+        by_group = (each is not None or nested) and reader.num_row_groups >= 2
+        groups = list(range(reader.num_row_groups)) if by_group else [None]
         lie = _footer_row_count_problem(meta, max_rows)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
