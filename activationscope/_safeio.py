@@ -85,7 +85,7 @@ def _decoded_bytes(arr: Any) -> int:
 
 def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_FILE_BYTES,
                       columns: Any = None, schemas: list | None = None, each: Any = None,
-                      max_rows: int | None = None) -> Any:
+                      max_rows: int | None = None, metadata: Any = None) -> Any:
     """A row-table part (Parquet bytes, read whole and checked already) as a ``pyarrow.Table``,
     read on this thread, whose decoded size is bounded before it is decoded.
 
@@ -98,9 +98,15 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     what it returns (one chunk per row group). The columns read only for its checks are then
     never decoded for the whole part at once, nor the part's columns combined into one array
     (a part of 20 million token rows read for two columns held its three decoded columns and
-    a combined copy of each: 760 MB for 320 MB kept). None: the part is read whole.
+    a combined copy of each: 760 MB for 320 MB kept). None: the part is read whole (row group
+    by row group where it holds strings inside lists or structs, which Arrow reads as
+    dictionaries a row group at a time only).
     ``max_rows``: the most rows the part may hold (the rows its table's metadata has left for
     it); None: no bound but the footer's own.
+    ``metadata``: the part's footer as the caller parsed it already from ``raw`` (a
+    ``pyarrow.parquet.FileMetaData``, e.g. ``pq.read_metadata``'s), checked here as it is and
+    not parsed again; None: parsed here. The footer is parsed once per call either way: the
+    checks read it, and the readers that decode the part are given it.
 
     The footer's row counts are checked before a value is decoded (Parquet allocates each
     column of a row group by the row count its footer gives): every row group holds 0 rows or
@@ -134,7 +140,8 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
     try:
         buf = pa.allocate_buffer(len(raw))
         memoryview(buf).cast("B")[:] = raw
-        plain = pq.ParquetFile(pa.BufferReader(buf))
+        plain = pq.ParquetFile(pa.BufferReader(buf), metadata=metadata)  # (the footer, parsed once)
+        meta = plain.metadata
         schema, target = plain.schema, plain.schema_arrow  # (the types the file's columns read as)
         if schemas is not None:
             schemas.append(target)
@@ -144,9 +151,14 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
             names = [name for name in target.names if name in wanted]
             target = pa.schema([target.field(name) for name in names])
         strings = [schema.column(i).path for i in range(len(schema)) if schema.column(i).physical_type == "BYTE_ARRAY"]
-        reader = pq.ParquetFile(pa.BufferReader(buf), read_dictionary=strings or None)
-        groups = [None] if each is None or reader.num_row_groups < 2 else list(range(reader.num_row_groups))
-        lie = _footer_row_count_problem(plain.metadata, max_rows)
+        reader = pq.ParquetFile(pa.BufferReader(buf), metadata=meta, read_dictionary=strings) if strings else plain
+        # (strings inside lists or structs, read as dictionaries, one per row group: Arrow reads
+        # them a row group at a time only, "Nested data conversions not implemented for chunked
+        # array outputs")
+        nested = any("." in path for path in strings)
+        by_group = (each is not None or nested) and reader.num_row_groups >= 2
+        groups = list(range(reader.num_row_groups)) if by_group else [None]
+        lie = _footer_row_count_problem(meta, max_rows)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / ...
         raise corrupt(where, f"row-table part {key!r} is not a readable Parquet file ({type(e).__name__}: {e})") from None
     if lie is not None:
@@ -169,7 +181,7 @@ def read_parquet_part(raw: bytes, where: Any, key: str, max_decoded: int = MAX_F
             raise corrupt(where, f"row-table part {key!r} decodes to {n} bytes ({len(raw)} in the file), more than "
                                  f"the {max_decoded} a part may hold")
         if strings:
-            table = _as_file_types(table, target, buf, names, group, where, key)
+            table = _as_file_types(table, target, buf, meta, names, group, where, key)
         done.append(table if each is None else each(table))
         del table
     if len(done) == 1:
@@ -201,9 +213,11 @@ def _footer_row_count_problem(meta: Any, max_rows: int | None) -> str | None:
     return None
 
 
-def _as_file_types(table: Any, target: Any, buf: Any, names: Any, group: int | None, where: Any, key: str) -> Any:
+def _as_file_types(table: Any, target: Any, buf: Any, meta: Any, names: Any, group: int | None, where: Any,
+                   key: str) -> Any:
     """``table`` (of :func:`read_parquet_part`, its strings read as dictionaries) with the
-    file's own types ``target`` (row group ``group`` of the part in ``buf``; None: all)."""
+    file's own types ``target`` (row group ``group`` of the part in ``buf``; None: all;
+    ``meta``: the part's footer, parsed already)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -212,7 +226,7 @@ def _as_file_types(table: Any, target: Any, buf: Any, names: Any, group: int | N
     except Exception:  # noqa: BLE001 - a type Arrow casts no dictionary to (string_view, list_view, ...)
         pass
     try:  # (its decoded size is bounded above: read again as the file's own types)
-        plain = pq.ParquetFile(pa.BufferReader(buf))
+        plain = pq.ParquetFile(pa.BufferReader(buf), metadata=meta)
         if group is None:
             return plain.read(columns=names, use_threads=False)
         return plain.read_row_group(group, columns=names, use_threads=False)

@@ -2599,8 +2599,13 @@ class Store:
         up to ``_RUN_GAP_BYTES`` of other chunks between them, decoded and cached too: the
         batches after it read neighbouring rows; an array of at most a quarter of the cache
         has the whole shard of each such chunk read so), and decoded into the chunk cache, for
-        the reads that follow. At most half the cache is asked for at a time. Elsewhere (a
-        local store: a read is a pread or a mapped view) nothing.
+        the reads that follow. At most half the cache is asked for at a time. For a local
+        compressed array the chunks holding them that are not cached are decoded side by
+        side (those only: no shard around them), and the reads of them that follow are not
+        taken for a sequential reader's (whose next chunks would be decoded ahead: a batch
+        read chunk after chunk in store order looks like one, and what it decoded ahead
+        evicted the chunks of the batches after it). Elsewhere (a local uncompressed array:
+        a read is a pread or a mapped view) nothing.
 
         Parameters
         ----------
@@ -2613,9 +2618,12 @@ class Store:
         >>> store.prefetch("blocks.0.output", batch_rows)          # doctest: +SKIP
         >>> x = torch.stack([store.rows("blocks.0.output", r, r + 1)[0] for r in batch_rows])  # doctest: +SKIP
         """
-        if self._parts or isinstance(self._backend, LocalBackend):
+        if self._parts:
             return
         meta = self._checked_meta(hook_point)
+        local = isinstance(self._backend, LocalBackend)
+        if local and self._mappable(meta):
+            return
         chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
         per_chunk = chunk_rows * V.row_bytes(meta)
         if per_chunk <= 0 or n == 0:
@@ -2625,8 +2633,8 @@ class Store:
                 self._inflight.clear()
                 self._pid = os.getpid()
         wanted = sorted({int(r) // chunk_rows for r in rows if 0 <= int(r) < n})
-        if n * V.row_bytes(meta) <= self._cache_bytes // 4:  # an array that fits in the cache: each whole
-            # shard (its other rows are read by the batches that follow), as a read of one row does
+        if not local and n * V.row_bytes(meta) <= self._cache_bytes // 4:  # an array that fits in the cache:
+            # each whole shard (its other rows are read by the batches that follow), as a read of one row does
             shard_chunks, last = int(meta["shard_rows"]) // chunk_rows, (n - 1) // chunk_rows
             wanted = sorted({x for k in {c // shard_chunks for c in wanted}
                              for x in range(k * shard_chunks, min((k + 1) * shard_chunks - 1, last) + 1)})
@@ -2637,6 +2645,11 @@ class Store:
             wanted = [c for c in wanted if (hook_point, c, mid) not in self._cache
                       and (hook_point, c, mid) not in self._inflight][:budget]
         if not wanted:
+            return
+        if local:  # (a read of a chunk is a pread: the cost is its decoding, of the chunks asked for only)
+            runs = self._plan_runs(meta, wanted)
+            for c in wanted:
+                self._chunk_future(hook_point, meta, c, _Run.future(runs, c))
             return
         runs = self._plan_runs(meta, wanted, gap_bytes=_RUN_GAP_BYTES)
         extra = sorted(set(runs) - set(wanted))

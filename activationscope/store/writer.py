@@ -2114,7 +2114,8 @@ class StoreWriter:
                 problem = V.row_part_problem(schema, kind, by_rank)
                 if problem is None:  # (their nulls: the integer columns decoded, bounded as a reader reads them)
                     ints = [c for c in V.required_columns(kind, by_rank) if c != "sample_id"]
-                    problem = V.row_part_problem(schema, kind, by_rank, read_parquet_part(raw, b, key, columns=ints))
+                    problem = V.row_part_problem(schema, kind, by_rank,
+                                                 read_parquet_part(raw, b, key, columns=ints, metadata=footer))
                 if problem is not None:
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} {problem}{end}", fix=fix)
             if total != int(tbl.get("n_rows", 0)):

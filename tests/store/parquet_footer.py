@@ -176,3 +176,20 @@ def spy_decodes(monkeypatch) -> list[str]:
 
         monkeypatch.setattr(pq.ParquetFile, name, spy)
     return decoded
+
+
+def spy_footer_parses(monkeypatch) -> list[str]:
+    """The list that every later ``pyarrow.parquet.ParquetFile`` made without a footer parsed
+    before (no ``metadata=``; ``pq.read_metadata`` makes one too), one parse of a footer each,
+    appends the name of its source's type to."""
+    import pyarrow.parquet as pq
+
+    parsed: list[str] = []
+
+    def spy(self, source, *args, _init=pq.ParquetFile.__init__, metadata=None, **kwargs):
+        if metadata is None:
+            parsed.append(type(source).__name__)
+        return _init(self, source, *args, metadata=metadata, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "__init__", spy)
+    return parsed

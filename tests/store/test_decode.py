@@ -296,3 +296,33 @@ def test_reads_after_the_interpreter_began_its_exit_decode_in_the_reading_thread
     assert torch.equal(st.rows("x", 24, 28), t[24:28]) and ran == [1, 2, 3]
     assert torch.equal(st.rows("x", 40, 70), t[40:70])
     assert torch.equal(st.rows("x", 0, 96), t)
+
+
+def test_a_shuffled_batch_of_a_local_compressed_array_decodes_its_chunks_only(tmp_path, monkeypatch):
+    """A batch of positions (a shuffled or chunk-shuffled sampler's) is read chunk after chunk
+    in store order: each chunk's read started where the last one stopped, so the store took
+    the batch for a sequential reader and decoded the chunks after each one ahead. In a
+    chunk-shuffled epoch of 1 KiB rows those evicted the window's own chunks from the cache
+    (64 MiB, the window's 64 chunks of 1 MiB): every batch decoded its chunks again, about
+    2,000 rows/s. Now the batch's chunks are asked for at once (``prefetch``, as on object
+    storage: decoded side by side), and those are all it decodes."""
+    from activationscope.data import ActivationDataset
+
+    t = _data((640, 4), torch.float32)
+    _write(tmp_path / "s.zarr", t, batch=64, compression="zstd", chunk_rows=8, shard_rows=64)
+    ds = ActivationDataset(tmp_path / "s.zarr")
+    decoded = []
+    real = type(ds.store)._decode_chunk
+
+    def counting(self, hook_point, meta, c, *rest, **kw):
+        decoded.append(c)
+        return real(self, hook_point, meta, c, *rest, **kw)
+
+    monkeypatch.setattr(type(ds.store), "_decode_chunk", counting)
+    g = torch.Generator().manual_seed(0)
+    for window in (range(0, 64), range(160, 240)):  # (chunks 0-7, then 20-29: two shards each)
+        rows = torch.tensor(window)[torch.randperm(len(window), generator=g)]
+        for b in range(0, len(rows), 16):
+            batch = rows[b:b + 16].tolist()
+            assert torch.equal(ds.get_batch(batch)[ds.hook_points[0]], t[batch])
+    assert sorted(decoded) == list(range(0, 8)) + list(range(20, 30))  # (each chunk once: the cache holds them)
