@@ -85,6 +85,28 @@ def test_misspelt_option_is_a_usage_error_of_its_command_naming_the_option_meant
     assert err.startswith(f"usage: activationscope {argv[0]} ")   # the command's usage, not the top-level one
 
 
+@pytest.mark.parametrize("argv,given,meant", [
+    (("inf", "x.zarr"), "inf", "info"),
+    (("verfy", "x.zarr"), "verfy", "verify"),
+    (("inspect", "x.zarr"), "inspect", "info"),   # what other tools call it
+    (("show", "x.zarr"), "show", "info"),
+    (("check", "x.zarr"), "check", "verify"),
+    (("cp", "x.zarr", "y.zarr"), "cp", "copy"),
+    (("export", "x.zarr", "--format", "parqet", "--out", "x.parquet"), "parqet", "parquet"),
+])
+def test_unknown_command_or_choice_names_the_one_meant(capsys, argv, given, meant):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    last = err.splitlines()[-1]
+    assert f"invalid choice: {given!r}" in last
+    assert last.endswith(f"(did you mean {meant!r}?)")
+
+
+def test_unknown_command_far_from_any_gets_no_guess(capsys):
+    code, _, err = run(capsys, "frobnicate", "x.zarr")
+    assert code == 2 and "invalid choice: 'frobnicate'" in err and "did you mean" not in err
+
+
 def test_abbreviated_option_is_no_misspelling(capsys):
     # argparse takes an unambiguous prefix (--hook-point for --hook-points): it is parsed, not refused
     code, _, err = run(capsys, "export", "no/such.zarr", "--format", "parquet", "--out", "x.parquet",

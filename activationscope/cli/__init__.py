@@ -64,10 +64,36 @@ def _misspelt_options(parser: argparse.ArgumentParser, args: Iterable[str]) -> s
     return "; ".join(hints)
 
 
+#: Commands by the names other tools give them (``inspect`` is ``info``), for the hint of an
+#: unknown command
+_COMMAND_SYNONYMS = {"inspect": "info", "show": "info", "ls": "info", "stat": "info", "describe": "info",
+                     "check": "verify", "validate": "verify", "fsck": "verify", "cp": "copy", "clone": "copy",
+                     "merge": "consolidate", "convert": "export", "run": "capture", "record": "capture"}
+
+
+def _choice_meant(message: str) -> str | None:
+    """For argparse's ``argument X: invalid choice: 'inf' (choose from 'demo', 'info', ...)``, the
+    choice the invalid one is closest to (``'info'``), or the command it names in other tools'
+    words (``inspect``: ``'info'``); None when none is close."""
+    import difflib
+    import re
+
+    m = re.match(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)$", message, re.S)
+    if m is None:
+        return None
+    given, choices = m.group(2), re.findall(r"'([^']*)'", m.group(3))
+    synonym = _COMMAND_SYNONYMS.get(given.lower()) if m.group(1) == "COMMAND" else None
+    if synonym in choices:
+        return synonym
+    close = difflib.get_close_matches(given.lower(), choices, n=1)
+    return close[0] if close else None
+
+
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors also name the option a misspelt one may have
     meant: a required option misspelt (``--fromat parquet``) is reported as missing, and
-    argparse never gets to the misspelling."""
+    argparse never gets to the misspelling; and the command or choice an unknown one may
+    have meant (``inf`` or ``inspect``: ``info``; ``--format parqet``: ``parquet``)."""
 
     argv: Sequence[str] = ()
 
@@ -76,6 +102,10 @@ class _Parser(argparse.ArgumentParser):
             hints = _misspelt_options(self, self.argv)
             if hints:
                 message = f"{message} ({hints})"
+        else:
+            meant = _choice_meant(message)
+            if meant is not None:
+                message = f"{message} (did you mean {meant!r}?)"
         super().error(message)
 
 
