@@ -1427,6 +1427,25 @@ def test_verify_ok_and_damaged(toy_store, capsys):
                     "restore the files named from an intact copy of the store, or capture it again"), last
 
 
+def test_verify_does_not_tell_to_run_verify(toy_store, capsys):
+    # the library's errors end with "`activationscope verify STORE` lists every damaged file", which
+    # is what this command is doing: its lines name the damage and its last line the fix
+    out, _ = toy_store
+    shard = max((p for p in (out / "acts").rglob("*") if p.is_file() and p.name[0].isdigit()),
+                key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)             # cut short after its commit
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1 and ": damaged: " in err and "cut short" in err
+    assert "activationscope verify STORE" not in err, err
+    root = out / "zarr.json"
+    root.write_bytes(root.read_bytes()[:100])                 # the root document cut short: no store to check
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1 and "zarr.json is not valid JSON" in err and "restore the store from an intact copy" in err
+    assert "activationscope verify STORE" not in err, err
+    code, _, err = run(capsys, "info", str(out))              # other commands still point to verify
+    assert code == 1 and "`activationscope verify STORE` lists every damaged file" in err
+
+
 def _incomplete_store(path):
     """A store of a capture stopped by an error after some commits: status 'incomplete'."""
     import activationscope as acs

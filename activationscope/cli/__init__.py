@@ -558,6 +558,8 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
 
     if command == "demo":
         message = message.replace("out_dir '", "--report '")
+    if command == "verify":  # (the store's errors point to this very command)
+        message = _without_verify_hint(message)
 
     # the export options of activationscope.data.check_format_options: "option tensor_type="
     # is --tensor-type, "the export format 'hf'" is --format hf
@@ -886,6 +888,14 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_verify_hint(message: str) -> str:
+    """``message`` without the library's pointer to this command (`` (`activationscope verify
+    STORE` lists every damaged file)``), for the lines of ``verify`` itself, which lists them."""
+    import re
+
+    return re.sub(r"(?: \(|; )`activationscope verify STORE` lists every damaged file\)?", "", message)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..errors import StoreCorruptError
 
@@ -893,12 +903,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = store.verify()
     except StoreCorruptError as e:
-        print(_printable(f"{PROG} verify: {args.store}: damaged: {one_line(e)}"), file=sys.stderr)
+        print(_printable(f"{PROG} verify: {args.store}: damaged: {_without_verify_hint(one_line(e))}"),
+              file=sys.stderr)
         return 1
     problems = _problems(result)
     if problems:
         for p in problems:
-            print(_printable(f"{PROG} verify: {args.store}: damaged: {p}"), file=sys.stderr)
+            print(_printable(f"{PROG} verify: {args.store}: damaged: {_without_verify_hint(p)}"), file=sys.stderr)
         n = len(problems)
         print(_printable(f"{PROG} verify: {args.store}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
                          "restore the files named from an intact copy of the store, or capture it again"),
