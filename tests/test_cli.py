@@ -1357,6 +1357,24 @@ def test_info_lists_hook_points(toy_store, capsys):
     assert "provenance: model=usermodels.nets:mlp" in stdout
 
 
+def test_info_tells_the_runs_of_a_resumed_store_apart(toy_store, capsys):
+    # each resume is one record of "resumes" in the provenance: printed flat, the keys of one ran
+    # into the next (model=..., command=..., model=..., command=...), with nothing between them
+    out, x = toy_store
+    for reduce in ("mean,var,nonzero", "mean,var,nonzero,max"):
+        code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                           "--reduce", reduce, "--batch-size", "16", "--no-progress", "--resume")
+        assert code == 0, err
+    code, stdout, _ = run(capsys, "info", str(out))
+    assert code == 0
+    line = next(l for l in stdout.splitlines() if l.startswith("provenance: "))
+    assert line.startswith("provenance: model=usermodels.nets:mlp"), line
+    resumes = line[line.index("resumes=[") + len("resumes=["):]
+    assert resumes.startswith("{model=usermodels.nets:mlp") and resumes.count("}, {model=") == 1, line
+    assert resumes.endswith("}]") or "}], " in resumes, line
+    assert cli._flat({"a": 1, "b": {"c": 2, "d": 3}, "e": [{"f": 4}, 5]}) == "a=1, b={c=2, d=3}, e=[{f=4}, 5]"
+
+
 def test_info_json(toy_store, capsys):
     import json
 

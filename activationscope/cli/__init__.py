@@ -1044,10 +1044,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _flat(value: Any) -> str:
+    """``{"a": 1, "b": {"c": 2}, "e": [{"f": 4}]}`` -> ``a=1, b={c=2}, e=[{f=4}]``: a record inside
+    another, or in a list (each resume of a store's provenance), in braces, so that where one ends
+    and the next begins shows."""
+    def inner(v: Any) -> str:
+        return "{" + _flat(v) + "}" if isinstance(v, dict) else _flat(v)
+
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items() if v not in (None, "", {}, []))
+        return ", ".join(f"{k}={inner(v)}" for k, v in value.items() if v not in (None, "", {}, []))
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_flat(v) for v in value) + "]"
+        return "[" + ", ".join(inner(v) for v in value) + "]"
     return str(value)
 
 
