@@ -85,6 +85,28 @@ def test_misspelt_option_is_a_usage_error_of_its_command_naming_the_option_meant
     assert err.startswith(f"usage: activationscope {argv[0]} ")   # the command's usage, not the top-level one
 
 
+@pytest.mark.parametrize("argv,given,meant", [
+    (("inf", "x.zarr"), "inf", "info"),
+    (("verfy", "x.zarr"), "verfy", "verify"),
+    (("inspect", "x.zarr"), "inspect", "info"),   # what other tools call it
+    (("show", "x.zarr"), "show", "info"),
+    (("check", "x.zarr"), "check", "verify"),
+    (("cp", "x.zarr", "y.zarr"), "cp", "copy"),
+    (("export", "x.zarr", "--format", "parqet", "--out", "x.parquet"), "parqet", "parquet"),
+])
+def test_unknown_command_or_choice_names_the_one_meant(capsys, argv, given, meant):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    last = err.splitlines()[-1]
+    assert f"invalid choice: {given!r}" in last
+    assert last.endswith(f"(did you mean {meant!r}?)")
+
+
+def test_unknown_command_far_from_any_gets_no_guess(capsys):
+    code, _, err = run(capsys, "frobnicate", "x.zarr")
+    assert code == 2 and "invalid choice: 'frobnicate'" in err and "did you mean" not in err
+
+
 def test_abbreviated_option_is_no_misspelling(capsys):
     # argparse takes an unambiguous prefix (--hook-point for --hook-points): it is parsed, not refused
     code, _, err = run(capsys, "export", "no/such.zarr", "--format", "parquet", "--out", "x.parquet",
@@ -1335,6 +1357,24 @@ def test_info_lists_hook_points(toy_store, capsys):
     assert "provenance: model=usermodels.nets:mlp" in stdout
 
 
+def test_info_tells_the_runs_of_a_resumed_store_apart(toy_store, capsys):
+    # each resume is one record of "resumes" in the provenance: printed flat, the keys of one ran
+    # into the next (model=..., command=..., model=..., command=...), with nothing between them
+    out, x = toy_store
+    for reduce in ("mean,var,nonzero", "mean,var,nonzero,max"):
+        code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out", str(out),
+                           "--reduce", reduce, "--batch-size", "16", "--no-progress", "--resume")
+        assert code == 0, err
+    code, stdout, _ = run(capsys, "info", str(out))
+    assert code == 0
+    line = next(l for l in stdout.splitlines() if l.startswith("provenance: "))
+    assert line.startswith("provenance: model=usermodels.nets:mlp"), line
+    resumes = line[line.index("resumes=[") + len("resumes=["):]
+    assert resumes.startswith("{model=usermodels.nets:mlp") and resumes.count("}, {model=") == 1, line
+    assert resumes.endswith("}]") or "}], " in resumes, line
+    assert cli._flat({"a": 1, "b": {"c": 2, "d": 3}, "e": [{"f": 4}, 5]}) == "a=1, b={c=2, d=3}, e=[{f=4}, 5]"
+
+
 def test_info_json(toy_store, capsys):
     import json
 
@@ -1403,6 +1443,25 @@ def test_verify_ok_and_damaged(toy_store, capsys):
     n = len(damaged)
     assert last == (f"activationscope verify: {out}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
                     "restore the files named from an intact copy of the store, or capture it again"), last
+
+
+def test_verify_does_not_tell_to_run_verify(toy_store, capsys):
+    # the library's errors end with "`activationscope verify STORE` lists every damaged file", which
+    # is what this command is doing: its lines name the damage and its last line the fix
+    out, _ = toy_store
+    shard = max((p for p in (out / "acts").rglob("*") if p.is_file() and p.name[0].isdigit()),
+                key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)             # cut short after its commit
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1 and ": damaged: " in err and "cut short" in err
+    assert "activationscope verify STORE" not in err, err
+    root = out / "zarr.json"
+    root.write_bytes(root.read_bytes()[:100])                 # the root document cut short: no store to check
+    code, _, err = run(capsys, "verify", str(out))
+    assert code == 1 and "zarr.json is not valid JSON" in err and "restore the store from an intact copy" in err
+    assert "activationscope verify STORE" not in err, err
+    code, _, err = run(capsys, "info", str(out))              # other commands still point to verify
+    assert code == 1 and "`activationscope verify STORE` lists every damaged file" in err
 
 
 def _incomplete_store(path):

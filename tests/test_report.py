@@ -352,6 +352,24 @@ def test_report_refuses_a_named_label_column_that_does_not_exist_and_too_few_fol
     assert "No probe" not in page.read_text()
 
 
+def test_report_names_the_label_column_a_misspelt_one_meant(tmp_path, capsys):
+    from activationscope import ActivationScope, cli
+    from activationscope.errors import ArgumentValueError
+
+    m = torch.nn.Linear(4, 3)
+    with torch.no_grad(), ActivationScope(store=str(tmp_path / "s.zarr")).track(m) as tr:
+        tr.set_batch(label=torch.arange(16) % 2)
+        m(torch.randn(16, 4))
+    with pytest.raises(ArgumentValueError) as info:
+        report.write_report(str(tmp_path / "s.zarr"), tmp_path / "r", label_column="lable")
+    message = str(info.value)
+    assert str(tmp_path / "s.zarr") in message and message.endswith("did you mean ['label'] for 'lable'?"), message
+    assert cli.main(["report", str(tmp_path / "s.zarr"), "--out", str(tmp_path / "r"), "--label-column", "lable"]) == 1
+    err = capsys.readouterr().err
+    assert "--label-column 'lable' is not a column" in err and "did you mean ['label'] for 'lable'?" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def _store_of_rows(path, x, labels):
     import activationscope as acs
 

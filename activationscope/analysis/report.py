@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentValueError, warn_at_caller
+from ..errors import ArgumentValueError, column_hint, warn_at_caller
 from ..sizes import format_bytes
 from ..store._backend import enclosing_store, relation_to_store
 from .pca import explained_variance_ratio
@@ -722,7 +722,8 @@ def write_report(
             columns += [c for c in store.row_table(kind).column_names if c not in columns]
         if label_column not in columns:
             raise ArgumentValueError(
-                f"label_column {label_column!r} is not a column of the store's row tables; they have {columns}"
+                f"label_column {label_column!r} is not a column of the row tables of the store {str(store.path)!r}; "
+                f"they have {columns}{column_hint([label_column], columns)}"
             )
     if relation_to_store(out, store) == "inside":
         raise ArgumentValueError(

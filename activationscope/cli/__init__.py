@@ -64,10 +64,36 @@ def _misspelt_options(parser: argparse.ArgumentParser, args: Iterable[str]) -> s
     return "; ".join(hints)
 
 
+#: Commands by the names other tools give them (``inspect`` is ``info``), for the hint of an
+#: unknown command
+_COMMAND_SYNONYMS = {"inspect": "info", "show": "info", "ls": "info", "stat": "info", "describe": "info",
+                     "check": "verify", "validate": "verify", "fsck": "verify", "cp": "copy", "clone": "copy",
+                     "merge": "consolidate", "convert": "export", "run": "capture", "record": "capture"}
+
+
+def _choice_meant(message: str) -> str | None:
+    """For argparse's ``argument X: invalid choice: 'inf' (choose from 'demo', 'info', ...)``, the
+    choice the invalid one is closest to (``'info'``), or the command it names in other tools'
+    words (``inspect``: ``'info'``); None when none is close."""
+    import difflib
+    import re
+
+    m = re.match(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)$", message, re.S)
+    if m is None:
+        return None
+    given, choices = m.group(2), re.findall(r"'([^']*)'", m.group(3))
+    synonym = _COMMAND_SYNONYMS.get(given.lower()) if m.group(1) == "COMMAND" else None
+    if synonym in choices:
+        return synonym
+    close = difflib.get_close_matches(given.lower(), choices, n=1)
+    return close[0] if close else None
+
+
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors also name the option a misspelt one may have
     meant: a required option misspelt (``--fromat parquet``) is reported as missing, and
-    argparse never gets to the misspelling."""
+    argparse never gets to the misspelling; and the command or choice an unknown one may
+    have meant (``inf`` or ``inspect``: ``info``; ``--format parqet``: ``parquet``)."""
 
     argv: Sequence[str] = ()
 
@@ -76,6 +102,10 @@ class _Parser(argparse.ArgumentParser):
             hints = _misspelt_options(self, self.argv)
             if hints:
                 message = f"{message} ({hints})"
+        else:
+            meant = _choice_meant(message)
+            if meant is not None:
+                message = f"{message} (did you mean {meant!r}?)"
         super().error(message)
 
 
@@ -528,6 +558,8 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
 
     if command == "demo":
         message = message.replace("out_dir '", "--report '")
+    if command == "verify":  # (the store's errors point to this very command)
+        message = _without_verify_hint(message)
 
     # the export options of activationscope.data.check_format_options: "option tensor_type="
     # is --tensor-type, "the export format 'hf'" is --format hf
@@ -856,6 +888,14 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_verify_hint(message: str) -> str:
+    """``message`` without the library's pointer to this command (`` (`activationscope verify
+    STORE` lists every damaged file)``), for the lines of ``verify`` itself, which lists them."""
+    import re
+
+    return re.sub(r"(?: \(|; )`activationscope verify STORE` lists every damaged file\)?", "", message)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..errors import StoreCorruptError
 
@@ -863,12 +903,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = store.verify()
     except StoreCorruptError as e:
-        print(_printable(f"{PROG} verify: {args.store}: damaged: {one_line(e)}"), file=sys.stderr)
+        print(_printable(f"{PROG} verify: {args.store}: damaged: {_without_verify_hint(one_line(e))}"),
+              file=sys.stderr)
         return 1
     problems = _problems(result)
     if problems:
         for p in problems:
-            print(_printable(f"{PROG} verify: {args.store}: damaged: {p}"), file=sys.stderr)
+            print(_printable(f"{PROG} verify: {args.store}: damaged: {_without_verify_hint(p)}"), file=sys.stderr)
         n = len(problems)
         print(_printable(f"{PROG} verify: {args.store}: {n} problem{'' if n == 1 else 's'} found, nothing was changed: "
                          "restore the files named from an intact copy of the store, or capture it again"),
@@ -1003,10 +1044,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _flat(value: Any) -> str:
+    """``{"a": 1, "b": {"c": 2}, "e": [{"f": 4}]}`` -> ``a=1, b={c=2}, e=[{f=4}]``: a record inside
+    another, or in a list (each resume of a store's provenance), in braces, so that where one ends
+    and the next begins shows."""
+    def inner(v: Any) -> str:
+        return "{" + _flat(v) + "}" if isinstance(v, dict) else _flat(v)
+
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items() if v not in (None, "", {}, []))
+        return ", ".join(f"{k}={inner(v)}" for k, v in value.items() if v not in (None, "", {}, []))
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_flat(v) for v in value) + "]"
+        return "[" + ", ".join(inner(v) for v in value) + "]"
     return str(value)
 
 
