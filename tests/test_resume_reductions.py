@@ -477,6 +477,7 @@ def test_reductions_of_a_killed_capture_say_to_resume_it(tmp_path):
     script = textwrap.dedent(f"""
         import os, torch
         import activationscope as acs
+        torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(2, 2))
         tracker = acs.ActivationScope(store={str(path)!r}, reductions=["mean"]).track(model)
         tracker.__enter__()
@@ -494,6 +495,19 @@ def test_reductions_of_a_killed_capture_say_to_resume_it(tmp_path):
     assert "no capture is writing it: its capture stopped before it closed" in message
     assert "resume=True with the reductions= it was captured with" in message
     assert "store.refresh() sees them" not in message
+    # the Python spelling (ActivationScope itself has no resume=) and the command line's
+    assert "ActivationScope(store_options={'resume': True}, reductions=...)" in message, message
+    assert "capture --resume --reduce" in message, message
+    # ... and following it gives the reductions over every stored row
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with torch.no_grad(), acs.ActivationScope(store=path, store_options={"resume": True},
+                                              reductions=["mean"]).track(model):
+        model(torch.randn(4, 2))
+    resumed = acs.open_store(path)
+    assert resumed.status == "complete"
+    rows = torch.as_tensor(resumed["0.output"][:])
+    torch.testing.assert_close(resumed.reductions["0.output"]["mean"].to(rows.dtype), rows.double().mean(0).to(rows.dtype))
 
 
 def test_a_resume_whose_close_fails_on_a_full_disk_is_resumed_again(tmp_path, monkeypatch):
