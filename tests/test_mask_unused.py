@@ -47,6 +47,44 @@ def test_mask_matching_no_hook_point_warns_once(where, tmp_path):
             model(ids)
 
 
+class _Pool(torch.nn.Module):
+    def forward(self, h, m):
+        m = m.unsqueeze(-1).float()
+        return (h * m).sum(1) / m.sum(1)
+
+
+class _Pooled(torch.nn.Module):
+    """Embeddings mean-pooled over the mask's positions: (batch, d) rows, no pos dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pool = torch.nn.Embedding(50, 8), _Pool()
+
+    def forward(self, ids, mask):
+        return self.pool(self.emb(ids), mask)
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_mask_given_with_pooled_hook_points_only_does_not_speak_of_padding_inside_them(where, tmp_path):
+    """A (batch, d) pooled hook point holds no position, so no padding: the warning says the
+    mask is not needed, not that the rows keep their padding inside; the rows are the pooled ones."""
+    model, ids, mask = _Pooled(), torch.randint(1, 50, (4, 6)), _mask(6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), _scope(where, tmp_path).track(model, include=["pool"]) as tracker:
+            tracker.set_batch(attention_mask=mask)
+            expected = model(ids, mask)
+    mine = [w for w in caught if issubclass(w.category, acs.CaptureWarning) and "attention_mask" in str(w.message)]
+    assert len(mine) == 1 and mine[0].message.reason == "mask_unused"
+    text = str(mine[0].message)
+    assert "padding inside" not in text and "no pos dimension" in text and "token_rows=False" in text, text
+    if where == "memory":
+        rows = tracker.activations["pool.output"][0]
+    else:
+        rows = torch.as_tensor(acs.open_store(tmp_path / "run.zarr")["pool.output"][:])
+    torch.testing.assert_close(rows, expected)
+
+
 @pytest.mark.parametrize("where", ["memory", "store"])
 @pytest.mark.parametrize("include, pos, kw", [
     (["1", "2"], 7, {}),                               # the activations' (batch, pos): token rows

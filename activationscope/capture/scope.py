@@ -3838,11 +3838,20 @@ class Tracker:
         shown = self._no_token_rows_shapes()
         if shown is None:
             return
+        shapes = [s for n, s in self._first_shapes.items() if n in self._sinks]
+        pooled = bool(shapes) and all(isinstance(s, tuple) and len(s) <= 2 for s in shapes)
+        if pooled:  # (batch, d) rows: already one per sample, with no position (nor padding) in them
+            fate = ("every hook point is already one row per sample with no pos dimension (pooled, or of no "
+                    "token), so it holds no padding and the mask is ignored. Pass token_rows=False (or no mask) "
+                    "to say one row per sample is what you want; track a module of (batch, pos, ...) "
+                    "activations for token rows")
+        else:
+            fate = ("so every hook point stores one row per sample with its padding inside and the mask is "
+                    "ignored. Pass a mask of the activations' (batch, pos) shape (e.g. with a column for a token "
+                    "the model prepends), or token_rows=False if one row per sample is what you want")
         warning = CaptureWarning(
             f"set_batch(attention_mask=...) of shape {tuple(mask.shape)} (batch, pos) matches no tracked hook point: "
-            f"no activation starts with it ({{{shown}}}), so every hook point stores one row per sample with its "
-            "padding inside and the mask is ignored. Pass a mask of the activations' (batch, pos) shape (e.g. with "
-            "a column for a token the model prepends), or token_rows=False if one row per sample is what you want"
+            f"no activation starts with it ({{{shown}}}), " + (fate if not pooled else "and " + fate)
         )
         # what it is, for callers that say it in their own words (the command line)
         warning.reason, warning.mask_shape, warning.first_shapes = "mask_unused", tuple(mask.shape), f"{{{shown}}}"
