@@ -498,7 +498,9 @@ def read_shard(root: str, spec: dict) -> Any:
         (chunks per shard), ``row_bytes``, ``codec`` (the Zarr codec document or None),
         ``chunks`` (``{slot: (nbytes, crc32c)}`` of the manifest), ``dtype`` (numpy dtype of
         the stored data type), ``feature_shape``, ``run`` ((run_id, created) of the root
-        document when the task was made), ``first_row`` (for messages).
+        document when the task was made), ``first_row`` (for messages), and optionally
+        ``file_bytes`` (the shard file's size its manifest records) and ``manifest`` (that
+        manifest's key), for the message of a file of another size.
 
     Returns
     -------
@@ -716,8 +718,13 @@ def _checked_shard(root: Any, spec: dict, size: int, pread: Any) -> Any:
     if len(raw) != index_bytes:
         raise corrupt(root, f"shard {key!r} changed while it was read")
     stored, got = int.from_bytes(raw[-4:], "little"), crc32c(raw[:-4])
-    if got != stored:
-        raise corrupt(root, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, computed {got:08x})")
+    if got != stored:  # (the index is read at the file's end: a file cut short reads other bytes there)
+        recorded = spec.get("file_bytes")
+        cut = "" if not isinstance(recorded, int) or recorded == size else (
+            f": it holds {size} bytes, its manifest {spec.get('manifest')} records {recorded} (file_bytes), so it "
+            f"was {'cut short' if size < recorded else 'written over'} after its commit")
+        raise corrupt(root, f"shard {key!r}: shard index crc32c mismatch (stored {stored:08x}, computed {got:08x})"
+                            f"{cut}")
     entries = np.frombuffer(raw, dtype="<u8", count=2 * n_chunks).tolist()
     data_end = size - index_bytes
     out = np.empty(rows * row_bytes, dtype=np.uint8)

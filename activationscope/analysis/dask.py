@@ -214,6 +214,8 @@ def _checked_shards(st: Store, meta: dict, n: int, stored: np.dtype) -> Any:
             "chunk_rows": chunk_rows, "n_chunks": n_chunks, "row_bytes": V.row_bytes(meta),
             "codec": meta.get("compression"), "dtype": stored.str, "feature_shape": feat, "run": run,
             "chunks": {j: (crcs[(k, j)][1], crcs[(k, j)][2]) for j in range(committed) if (k, j) in crcs},
+            # (for the message of a shard whose file is not the size its manifest recorded)
+            "file_bytes": st._recorded_bytes(meta, k), "manifest": meta.get("manifest"),
         }
         dsk[(name, k) + (0,) * len(feat)] = (*task, spec)
         sizes.append(rows)

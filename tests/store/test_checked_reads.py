@@ -234,6 +234,39 @@ def test_to_dask_workers_check_what_they_read(tmp_path, compression):
         x[64:128].compute(scheduler="sync")
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_to_dask_names_a_shard_cut_short_as_the_reader_does(tmp_path, where):
+    """A shard file cut short after its commit: the Dask task's message gives both sizes and
+    "cut short after its commit", as Store reads do (not a bare index crc32c mismatch)."""
+    import uuid
+
+    import fsspec
+
+    pytest.importorskip("dask")
+    from activationscope.analysis.dask import to_dask
+
+    if where == "local":
+        path = str(tmp_path / "s.zarr")
+        make_store(Path(path))
+        key = str(shard(Path(path), 1))
+        good = Path(key).read_bytes()
+        Path(key).write_bytes(good[:len(good) // 2])
+    else:
+        path = f"memory://acs-dask/{uuid.uuid4().hex}.zarr"
+        make_store(path)
+        fs = fsspec.filesystem("memory")
+        key = f"{path[len('memory://'):]}/acts/{HP}/c/1/0"
+        good = fs.cat_file(key)
+        fs.pipe_file(key, good[:len(good) // 2])
+    said = (rf"shard 'acts/0.output/c/1/0': shard index crc32c mismatch \(stored \w+, computed \w+\): it holds "
+            rf"{len(good) // 2} bytes, its manifest acts/0.output/manifest.json records {len(good)} \(file_bytes\), "
+            r"so it was cut short after its commit")
+    with pytest.raises(StoreCorruptError, match=said):
+        open_store(path)[HP][64:128]
+    with pytest.raises(StoreCorruptError, match=said):
+        to_dask(path, HP)[64:128].compute(scheduler="sync")
+
+
 def _damage_a_chunk_so_it_still_decodes_in(path: Path, k: int) -> None:
     f = shard(path, k)
     data = bytearray(f.read_bytes())
