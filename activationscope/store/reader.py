@@ -2760,17 +2760,22 @@ class Store:
         return out
 
     # ------------------------------------------------------------------ small files
-    def _crc_problem(self, data: bytes, expected: int | None, where: str) -> str | None:
-        """A problem line when ``data`` does not have the recorded crc32c (None: not recorded)."""
+    def _crc_problem(self, data: bytes, expected: int | None, where: str, *, parquet: bool = False) -> str | None:
+        """A problem line when ``data`` does not have the recorded crc32c (None: not recorded);
+        for a Parquet file (``parquet``) saying too when it does not end as Parquet files end
+        (cut short or written over)."""
         if expected is None:
             return None
         got = F.crc32c(data)
         if got != int(expected):
-            return f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got:08x})"
+            cut = ("" if not parquet or bytes(data[-4:]) == b"PAR1" else
+                   f": its {len(data)} bytes do not end with Parquet's magic 'PAR1', so it was cut short or written "
+                   "over after its commit")
+            return f"{where}: crc32c mismatch (metadata {int(expected):08x}, data {got:08x}){cut}"
         return None
 
-    def _check_crc(self, data: bytes, expected: int | None, where: str) -> None:
-        problem = self._crc_problem(data, expected, where)
+    def _check_crc(self, data: bytes, expected: int | None, where: str, *, parquet: bool = False) -> None:
+        problem = self._crc_problem(data, expected, where, parquet=parquet)
         if problem is not None:
             raise V.corrupt(self._backend, problem)
 
@@ -3221,7 +3226,7 @@ class Store:
                     if later is not None:
                         return self._rows_of_a_later_commit(kind, info, later, read, _schemas, tries, keep)
                     raise V.corrupt(self._backend, f"row-table part {key!r} listed in the metadata is missing")
-                self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}")
+                self._check_crc(raw, crcs.get(key), f"row table {kind!r}: part {key!r}", parquet=True)
                 if keep is not None and not by_rank:  # (by rank: checked on the whole table, below)
                     # checked and projected row group by row group: the columns read for the checks
                     # only are never decoded for the whole part
@@ -3468,7 +3473,7 @@ class Store:
                         mine.append(f"row table {kind!r}: part {key!r} is missing")
                         readable = False
                         continue
-                    problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}")
+                    problem = self._crc_problem(data, crcs.get(key), f"row table {kind!r}: part {key!r}", parquet=True)
                     if problem:
                         mine.append(problem)
                         readable = False

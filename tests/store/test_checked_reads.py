@@ -786,3 +786,27 @@ def test_verify_unmaps_the_shards_it_checked(tmp_path):
             h = layer(h)
             assert torch.equal(st.rows(f"{i}.output", 0, 80), h)
     assert torch.equal(held, model[0](torch.cat(xs)).detach())
+
+
+@pytest.mark.parametrize("damage", ["cut", "flipped"])
+def test_a_row_table_part_cut_short_is_named_so(tmp_path, damage):
+    """A row-table part cut short after its commit: the crc32c mismatch says the file does not
+    end as Parquet files do (cut short or written over), in reads and in verify(); a byte
+    flipped inside an intact-length file gets the plain mismatch."""
+    path = tmp_path / "s.zarr"
+    make_store(path)
+    part = sorted((path / "rows" / "sample").glob("part-*.parquet"))[0]
+    raw = part.read_bytes()
+    if damage == "cut":
+        part.write_bytes(raw[:len(raw) // 2])
+    else:
+        bad = bytearray(raw)
+        bad[len(raw) // 2] ^= 0x01
+        part.write_bytes(bytes(bad))
+    key = f"rows/sample/{part.name}"
+    cut = rf"its {len(raw) // 2} bytes do not end with Parquet's magic 'PAR1', so it was cut short"
+    with pytest.raises(StoreCorruptError, match=rf"part '{key}': crc32c mismatch \(metadata \w+, data \w+\)") as e:
+        open_store(path).row_table()
+    assert bool(re.search(cut, str(e.value))) == (damage == "cut"), str(e.value)
+    problems = [p for p in open_store(path).verify() if key in p]
+    assert len(problems) == 1 and bool(re.search(cut, problems[0])) == (damage == "cut"), problems
