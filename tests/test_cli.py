@@ -992,6 +992,55 @@ def test_capture_stores_the_model_activations(toy_store):
     assert store.info()["provenance"]["model"] == "usermodels.nets:mlp"
 
 
+def test_capture_without_include_records_the_hook_points_of_a_library_capture_of_every_module(tmp_path, capsys,
+                                                                                              user_package):
+    # no --include for an import path: every module, as track(model, include=None) records them (nested
+    # modules, a structured output's leaves, a module called twice: its #1), with the same rows
+    import activationscope as acs
+
+    x = user_package("allnets", """
+        import torch
+        class Pair(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 4)
+                self.act = torch.nn.ReLU()
+            def forward(self, x):
+                h = self.act(self.lin(x))
+                return h, h.sum(-1)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = Pair()
+                self.shared = torch.nn.Linear(4, 4)
+                self.head = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+            def forward(self, x):
+                h, s = self.block(x)
+                return self.head(self.shared(self.shared(h))) + s[:, None]
+        def net():
+            torch.manual_seed(0)
+            return Net()
+    """, data=(10, 6, 0))
+    out = tmp_path / "cli.zarr"
+    code, stdout, err = run(capsys, "capture", "--model", "allnets.nets:net", "--data", str(x), "--out", str(out),
+                            "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    model = specs.load_model_spec("allnets.nets:net").model
+    inputs = torch.from_numpy(np.load(x))
+    lib = tmp_path / "lib.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(lib)).track(model, include=None) as tracker:
+        for start in range(0, 10, 4):
+            model(inputs[start:start + 4])
+    want = acs.open_store(str(lib))
+    store = acs.open_store(str(out))
+    assert store.hook_points == want.hook_points and sorted(store.hook_points) == sorted(tracker.hook_points)
+    assert {"block.lin.output", "block.output.0", "block.output.1", "shared.output", "shared#1.output",
+            "head.0.output", "head.output"} <= set(store.hook_points)
+    assert f"3 forwards, {len(want.hook_points)} hook points" in stdout
+    for hook_point in want.hook_points:
+        assert torch.equal(store[hook_point], want[hook_point]), hook_point
+
+
 def test_capture_dtype_include_and_max_samples(tmp_path, toy_store, capsys):
     import activationscope as acs
 
