@@ -1014,6 +1014,55 @@ def test_capture_stores_the_model_activations(toy_store):
     assert store.info()["provenance"]["model"] == "usermodels.nets:mlp"
 
 
+def test_capture_without_include_records_the_hook_points_of_a_library_capture_of_every_module(tmp_path, capsys,
+                                                                                              user_package):
+    # no --include for an import path: every module, as track(model, include=None) records them (nested
+    # modules, a structured output's leaves, a module called twice: its #1), with the same rows
+    import activationscope as acs
+
+    x = user_package("allnets", """
+        import torch
+        class Pair(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 4)
+                self.act = torch.nn.ReLU()
+            def forward(self, x):
+                h = self.act(self.lin(x))
+                return h, h.sum(-1)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = Pair()
+                self.shared = torch.nn.Linear(4, 4)
+                self.head = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+            def forward(self, x):
+                h, s = self.block(x)
+                return self.head(self.shared(self.shared(h))) + s[:, None]
+        def net():
+            torch.manual_seed(0)
+            return Net()
+    """, data=(10, 6, 0))
+    out = tmp_path / "cli.zarr"
+    code, stdout, err = run(capsys, "capture", "--model", "allnets.nets:net", "--data", str(x), "--out", str(out),
+                            "--batch-size", "4", "--no-progress")
+    assert code == 0, err
+    model = specs.load_model_spec("allnets.nets:net").model
+    inputs = torch.from_numpy(np.load(x))
+    lib = tmp_path / "lib.zarr"
+    with torch.no_grad(), acs.ActivationScope(store=str(lib)).track(model, include=None) as tracker:
+        for start in range(0, 10, 4):
+            model(inputs[start:start + 4])
+    want = acs.open_store(str(lib))
+    store = acs.open_store(str(out))
+    assert store.hook_points == want.hook_points and sorted(store.hook_points) == sorted(tracker.hook_points)
+    assert {"block.lin.output", "block.output.0", "block.output.1", "shared.output", "shared#1.output",
+            "head.0.output", "head.output"} <= set(store.hook_points)
+    assert f"3 forwards, {len(want.hook_points)} hook points" in stdout
+    for hook_point in want.hook_points:
+        assert torch.equal(store[hook_point], want[hook_point]), hook_point
+
+
 def test_capture_dtype_include_and_max_samples(tmp_path, toy_store, capsys):
     import activationscope as acs
 
@@ -2646,10 +2695,116 @@ def test_the_advice_for_an_attention_map_that_changes_shape_with_pos_reads_in_th
                 model(torch.randn(2, pos, 4))
     assert 'padding="max_length"' in str(e.value)
     message = cli._cli_spelling(str(e.value), "capture")
-    assert "padding=" not in message and "max_length" not in message
-    assert ("and those rows change shape with pos: the command pads each batch of text to its own longest text, so "
-            "leave it out of the capture, alone with --exclude-hook-points 'h.0.output.1' (the other hook points of "
-            "its module still captured), or with its module (--exclude its module).") in message
+    assert "padding=" not in message and "max_length=" not in message
+    assert ("and those rows change shape with pos: capture again with --overwrite --padding max_length, which pads "
+            "every batch of text to --max-length tokens (the token rows of the other hook points still leave the "
+            "padding out), so that its rows keep one shape, or leave it out of the capture, alone with "
+            "--exclude-hook-points 'h.0.output.1' (the other hook points of its module still captured), or with its "
+            "module (--exclude its module).") in message
+
+
+_ATTENTION_TEXTS = ["the cat sat on the mat", "hello", "a much longer sentence with several more words in it",
+                    "short one", "the mat"]
+
+
+def _attention_folder(tmp_path):
+    """A tiny GPT-2 folder (word-level tokenizer of _ATTENTION_TEXTS' words) whose config asks
+    for eager attention, so that each attention module returns its attention map
+    ``(batch, heads, pos, pos)`` as ``output.1``, and a text file of _ATTENTION_TEXTS."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = dict.fromkeys(" ".join(_ATTENTION_TEXTS).split())
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    folder = tmp_path / "gpt2"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(
+        folder)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=64, n_embd=16, n_head=2, n_layer=2, bos_token_id=0,
+                                     eos_token_id=0)
+    transformers.GPT2Model(config).save_pretrained(folder)
+    doc = json.loads((folder / "config.json").read_text())
+    doc["attn_implementation"] = "eager"
+    (folder / "config.json").write_text(json.dumps(doc))
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(_ATTENTION_TEXTS) + "\n")
+    return folder, data
+
+
+def test_capture_padding_max_length_keeps_an_attention_map_of_one_shape(tmp_path, capsys):
+    # the attention map of each text as a hook point (a model in eager attention returns it as
+    # output.1): stored one row per sample, it changes shape with the batch's length. The
+    # library's error gave the fix (pad every batch to one length, padding="max_length"), but
+    # the command had no flag for it: it said to leave the map out. Now --padding max_length
+    # pads every batch to --max-length tokens, and the error names it
+    import transformers
+
+    import activationscope as acs
+
+    folder, data = _attention_folder(tmp_path)
+    capsys.readouterr()  # (the progress bar of save_pretrained)
+    args = ["capture", "--model", str(folder), "--data", str(data), "--include", "h.0.attn", "--batch-size", "2",
+            "--max-length", "12", "--no-progress"]
+    code, _, err = run(capsys, *args, "--out", str(tmp_path / "longest.zarr"))
+    assert code == 1
+    _one_error_line(err, "hook point 'h.0.attn.output.1' changed its feature shape from (2, 6, 6) to (2, 10, 10)",
+                    "capture again with --overwrite --padding max_length, which pads every batch of text to "
+                    "--max-length tokens")
+    out = tmp_path / "s.zarr"
+    code, stdout, err = run(capsys, *args, "--out", str(out), "--padding", "max_length")
+    assert code == 0, err
+    assert "captured 5 samples (3 forwards, 2 hook points)" in stdout
+    store = acs.open_store(str(out))
+    assert store.attrs["provenance"]["padding"] == "max_length"
+    assert store.row_kind("h.0.attn.output.1") == "sample" and store.row_kind("h.0.attn.output.0") == "token"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    maps, tokens, seen = [], [], []
+    handle = model.h[0].attn.register_forward_hook(lambda m, args, out: seen.append(out))
+    with torch.no_grad():
+        for start in range(0, len(_ATTENTION_TEXTS), 2):
+            enc = tokenizer(_ATTENTION_TEXTS[start:start + 2], padding="max_length", truncation=True, max_length=12,
+                            return_tensors="pt")
+            model(**enc)
+            maps.append(seen[-1][1])
+            tokens.append(seen[-1][0][enc["attention_mask"].bool()])  # one row per real token: the padding left out
+    handle.remove()
+    torch.testing.assert_close(store["h.0.attn.output.1"], torch.cat(maps))  # (12 x 12 maps, padding included)
+    torch.testing.assert_close(store["h.0.attn.output.0"], torch.cat(tokens))
+    assert store.row_table("token").column("sample_id").to_pylist() == [
+        i for i, text in enumerate(_ATTENTION_TEXTS) for _ in text.split()]
+
+
+def test_capture_padding_is_kept_by_a_resume_and_refused_for_tensor_data(tmp_path, capsys, user_module):
+    import activationscope as acs
+
+    folder, data = _attention_folder(tmp_path)
+    capsys.readouterr()  # (the progress bar of save_pretrained)
+    out = tmp_path / "s.zarr"
+    args = ["capture", "--model", str(folder), "--data", str(data), "--out", str(out), "--include", "h.0.attn",
+            "--batch-size", "2", "--max-length", "12", "--no-progress"]
+    code, _, err = run(capsys, *args, "--padding", "max_length", "--max-samples", "2")
+    assert code == 0, err
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    code, _, err = run(capsys, *args, "--padding", "longest", "--resume")
+    assert code == 1
+    _one_error_line(err, "--resume --padding longest: store", "was captured with --padding max_length",
+                    "resume with --padding max_length (or without --padding)", "nothing was changed")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    code, _, err = run(capsys, *args, "--resume")  # (no --padding: the store's, every map 12 x 12)
+    assert code == 0, err
+    store = acs.open_store(str(out))
+    assert store.n_samples == 5 and store["h.0.attn.output.1"].shape == (5, 2, 12, 12)
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((4, 6), dtype=np.float32))
+    code, _, err = run(capsys, "capture", "--model", "usermodels.nets:mlp", "--data", str(x), "--out",
+                       str(tmp_path / "t.zarr"), "--padding", "max_length", "--no-progress")
+    assert code == 1
+    _one_error_line(err, "--padding max_length is for text data", "leave --padding out")
+    assert not (tmp_path / "t.zarr").exists()
 
 
 def test_capture_exclude_hook_points_leaves_out_one_leaf_of_a_modules_output(capsys, tmp_path, user_package):

@@ -310,6 +310,15 @@ def test_ctrl_c_in_the_writer_close_before_its_thread_stopped_then_the_cell_agai
     def cell(path, stop=None):
         _store_cell(model, xs, path, stop, trackers, compression="zstd")
 
+    close, closes = W.StoreWriter.close, []
+
+    def closing(self, *args, **kwargs):
+        closes.append(self)
+        if len(closes) == 2:  # the tracker's second try at the close cut short at once: the close is given up
+            raise KeyboardInterrupt("close again")
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(W.StoreWriter, "close", closing)
     path = tmp_path / "s.zarr"
     at = _cell_interrupted_in_close(W, cell, path, stop)
     assert at.raised
@@ -370,8 +379,23 @@ def _held_writer_thread(monkeypatch, W, n_interrupted: int | None):
             released.append(stops[-1]._threads_stopped and gate.is_set())
         release(self)
 
+    close = W.StoreWriter.close
+
+    def closing(self, *args, **kwargs):
+        # the tracker's second try at a close cut short (Tracker._close_writer) is cut short too, at once:
+        # these Ctrl-Cs keep coming as the store closes (it would wait for the held thread otherwise)
+        frame = sys._getframe(1)
+        for _ in range(3):
+            if frame is None:
+                break
+            if frame.f_code.co_name == "_close_writer" and self.close_pending:
+                raise KeyboardInterrupt("close tried again")
+            frame = frame.f_back
+        return close(self, *args, **kwargs)
+
     monkeypatch.setattr(W.F, "numcodecs_encoder", lambda codec: _HeldEncoder(make_encoder(codec), gate))
     monkeypatch.setattr(W.StoreWriter, "_stop_threads", stopping)
+    monkeypatch.setattr(W.StoreWriter, "close", closing)
     monkeypatch.setattr(_lock.WriterLock, "release", releasing)
     return stops, released, interrupted
 
@@ -1101,3 +1125,62 @@ def test_consolidate_of_a_rank_store_whose_close_ctrl_c_cut_short_waits_for_that
     w.close()  # (again)
     assert cli.main(["consolidate", str(path)]) == 0
     _same_store(path, want)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
+def test_ctrl_c_in_the_commit_of_a_with_blocks_close_keeps_every_row(tmp_path, monkeypatch, stop):
+    # a Ctrl-C in the commit of the store's close as the `with` block ends (its loop done, or
+    # stopped by a first Ctrl-C): the writer kept the rows it had flushed, for close() called
+    # again to commit them, but the tracker gave that close up at once, so a new store with no
+    # earlier commit was removed, every forward lost (resume=True captured them all again), and
+    # neither tracker.remove() nor tracker.writer.close() could commit them any more. Now the
+    # tracker finishes the close as close() called again does; the Ctrl-C still goes on
+    from activationscope.store import _backend as B
+    from activationscope.store import writer as W
+    from activationscope.store._lock import writer_holding
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    with torch.no_grad():
+        want = torch.cat([model(x) for x in xs])
+    fired = _interrupt_once(monkeypatch, W.StoreWriter, "_commit_now", lambda self, *_: self._closed)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("always")
+        _store_cell(model, xs, path, stop or None)
+    assert fired and not _wrapped(model)
+    assert not [str(w.message) for w in caught if "could not be fully committed" in str(w.message)]
+    assert writer_holding(B.resolve(str(path))) is None
+    store = acs.open_store(path)
+    # (raised: the Ctrl-C in the loop came after the first forward)
+    assert store.status == ("incomplete" if stop else "complete")
+    assert torch.equal(store["1.output"], want[:2] if stop else want)
+    _store_cell(model, xs, path, resume=True)
+    store = acs.open_store(path)
+    assert store.status == "complete" and torch.equal(store["1.output"], want)
+    assert store.row_table("sample")["sample_id"].to_pylist() == list(range(6))
+
+
+def test_ctrl_c_again_as_a_with_blocks_close_is_finished_leaves_the_last_commit(tmp_path, monkeypatch):
+    # the tracker's second try at the close cut short too: the close is given up as before, the
+    # store at its last commit (a new store with none removed), and the cell runs again as it is
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    real, n = W.StoreWriter._commit_now, []
+
+    def interrupted(self, *args, **kwargs):
+        if self._closed and len(n) < 2:
+            n.append(True)
+            raise KeyboardInterrupt("commit")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(W.StoreWriter, "_commit_now", interrupted)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        _store_cell(model, xs, path)
+    assert len(n) == 2 and not _wrapped(model) and not path.exists()
+    _store_cell(model, xs, path)
+    assert acs.open_store(path).status == "complete" and acs.open_store(path).n_samples == 6

@@ -26,6 +26,12 @@ from ..sizes import dir_bytes, format_bytes
 #: Tokens per text at most (longer texts are truncated).
 MAX_LENGTH = 128
 
+#: ``--padding``: how a batch of texts is padded. ``"longest"`` (the default): to the batch's
+#: longest text; ``"max_length"``: every batch to ``max_length`` tokens, so that a hook point
+#: stored one row per sample whose shape follows ``pos`` (an attention map ``(batch, heads,
+#: pos, pos)``) keeps one shape.
+PADDINGS = ("longest", "max_length")
+
 
 @dataclass
 class CaptureSummary:
@@ -409,6 +415,7 @@ def capture_dataset(
     batch_size: int = 32,
     max_samples: int | None = None,
     max_length: int | None = None,
+    padding: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
     stop_after_last: bool = False,
@@ -488,6 +495,15 @@ def capture_dataset(
         model's positions where it takes fewer. Longer texts are cut to their first
         ``max_length`` tokens, with a :class:`~activationscope.errors.CaptureWarning` that
         says how many and how long the longest is.
+    padding : {'longest', 'max_length'}, optional
+        ``--padding``: how each batch of text is padded: ``'longest'`` (the default) to the
+        batch's longest text, ``'max_length'`` to ``max_length`` tokens (the tokenizer's
+        ``padding="max_length"``), every batch the same length, so that a hook point stored
+        one row per sample whose shape follows ``pos`` (an attention map ``(batch, heads, pos,
+        pos)`` of a model returning its attention weights) keeps one shape; token rows leave
+        the padding out either way. Recorded in the store's provenance (``padding``): a
+        ``resume`` without it pads as the store's samples were, and one with another is
+        refused. Text data only.
     resume : bool
         Continue the incomplete store at ``out`` from its next sample: samples
         ``store.n_samples`` .. end of ``data`` are captured with those sample ids. With
@@ -541,7 +557,7 @@ def capture_dataset(
         tensor data whose first samples hash otherwise than the store's runs recorded
         (provenance ``data_fingerprint``, :func:`tensor_fingerprint`) or that has fewer
         samples than the run whose fingerprint is compared read, or with another
-        ``max_length`` than the store records.
+        ``max_length`` or ``padding`` than the store records; ``padding`` with tensor data.
     SpecError
         A model or data spec that names nothing usable (a table, ``.csv`` / ``.jsonl`` /
         ...); no ``include`` for a Hugging Face model without a stack of repeated blocks (the
@@ -598,6 +614,8 @@ def capture_dataset(
         raise ArgumentValueError(f"--max-samples must be a positive int, got {max_samples}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ArgumentValueError(f"--max-length must be a positive int, got {max_length!r}")
+    if padding is not None and padding not in PADDINGS:
+        raise ArgumentValueError(f"--padding must be one of {list(PADDINGS)}, got {padding!r}")
     if dtype is not None and dtype not in STORAGE_DTYPES:
         raise ArgumentValueError(f"--dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
     if compression is not None and compression not in COMPRESSIONS:
@@ -631,6 +649,10 @@ def capture_dataset(
                 "by the '__label__<name> ' prefix of each line (a text file) or by its label column (a table, "
                 "--label-column): give the labels there and leave --labels out")
         dataset.labels = load_labels_spec(os.fspath(labels), data, len(dataset))
+    if padding is not None and dataset.texts is None:
+        raise ArgumentValueError(
+            f"--padding {padding} is for text data, whose batches are tokenized and padded; --data {data!r} is a "
+            "tensor file, fed to the model as it is: leave --padding out")
     if rows == "token" and dataset.texts is not None:
         raise ArgumentValueError(
             f"--rows token is for tensor data (token ids (batch, pos)); --data {data!r} is text, whose hook points "
@@ -647,7 +669,7 @@ def capture_dataset(
             loaded, dataset, model=model, data=data, out=out, ranks=ranks, include=include, exclude=exclude,
             capture=capture, reductions=reductions, dtype=dtype, compression=compression, shard_bytes=shard_bytes,
             chunk_rows=chunk_rows, batch_size=batch_size, max_samples=max_samples, max_length=max_length,
-            resume=resume, overwrite=overwrite, stop_after_last=stop_after_last, progress=progress, command=command,
+            padding=padding, resume=resume, overwrite=overwrite, stop_after_last=stop_after_last, progress=progress, command=command,
             token_rows=token_rows, rows=rows, on_start=on_start, exclude_hook_points=exclude_hook_points,
             reductions_only=reductions_only)
     finally:
@@ -661,7 +683,8 @@ def _capture_loaded(
     loaded: Any, dataset: Any, *, model: str, data: str, out: str, ranks: tuple[int, int] | None,
     include: Sequence[str] | None, exclude: Sequence[str] | None, capture: str, reductions: list[Any] | None,
     dtype: str | None, compression: str | None, shard_bytes: int | None, chunk_rows: int | None, batch_size: int,
-    max_samples: int | None, max_length: int | None, resume: bool, overwrite: bool, stop_after_last: bool,
+    max_samples: int | None, max_length: int | None, padding: str | None, resume: bool, overwrite: bool,
+    stop_after_last: bool,
     progress: bool, command: str | None, token_rows: Any, rows: str,
     on_start: Callable[[str], None] | None, exclude_hook_points: Sequence[str] | None, reductions_only: bool,
 ) -> CaptureSummary:
@@ -731,6 +754,7 @@ def _capture_loaded(
                     max_length = _resumed_max_length(out, max_length, recorded.get("max_length"),
                                                      store.n_samples if store is not None else 0)
                 max_length = _check_max_length(max_length, loaded.model, model, loaded.tokenizer)
+                padding = _resumed_padding(out, padding, recorded.get("padding") if recorded else None)
                 count = getattr(loaded.tokenizer, "num_special_tokens_to_add", None)
                 n_special = int(count(pair=False)) if callable(count) else 0
                 if max_length <= n_special:  # the tokenizer cannot truncate below its special tokens: it would not
@@ -790,7 +814,8 @@ def _capture_loaded(
         ids = dataset.sample_ids[first:n] if dataset.sample_ids is not None else None
         batches = text_batches(
             dataset.texts[first:n], loaded.tokenizer, batch_size, max_length, labels, first_id=offset + first,
-            sample_ids=ids, max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume)
+            sample_ids=ids, max_positions=model_positions(loaded.model, loaded.tokenizer), resumed=resume,
+            padding=padding)
     else:
         _warn_padded_ids(dataset.tensor[first:n], loaded.tokenizer, data)
         batches = tensor_batches(dataset.tensor[first:n], batch_size, first_id=offset + first,
@@ -802,6 +827,7 @@ def _capture_loaded(
         model=loaded.name, data=dataset.name, command=command, resume=resume, overwrite=overwrite,
         compression=compression, shard_bytes=shard_bytes, chunk_rows=chunk_rows,
         max_length=max_length if dataset.texts is not None else None,
+        padding=padding if dataset.texts is not None else None,
     )
     if dataset.tensor is not None:  # what a later --resume checks its data against
         options["provenance"]["data_fingerprint"] = tensor_fingerprint(dataset.tensor, n)
@@ -900,6 +926,27 @@ def _resumed_max_length(out: str, max_length: int | None, stored: int | None, n_
     return stored
 
 
+def _resumed_padding(out: str, padding: str | None, stored: Any) -> str:
+    """The ``--padding`` of a text capture: ``padding`` as given, else the one the store a
+    resume continues records (``stored``, provenance ``padding``), else ``"longest"``.
+
+    Raises
+    ------
+    ArgumentValueError
+        ``padding`` other than the one the store records: its resumed batches would be padded
+        otherwise than its stored ones (a hook point stored one row per sample whose shape
+        follows ``pos`` could not take their rows). Nothing is changed.
+    """
+    if stored not in PADDINGS:  # (a store of an earlier version, or of a Python capture: none recorded)
+        return padding or "longest"
+    if padding is not None and padding != stored:
+        raise ArgumentValueError(
+            f"--resume --padding {padding}: store {out!r} was captured with --padding {stored}, and its resumed "
+            f"batches would be padded otherwise than its stored ones; resume with --padding {stored} (or without "
+            "--padding), or pass --overwrite instead of --resume to capture every text again (nothing was changed)")
+    return stored
+
+
 def _recorded_max_length(store: Any) -> int | None:
     """The ``--max-length`` an opened ``store`` records (``provenance["max_length"]``, or the
     one its recorded command line gives); None where it records none."""
@@ -912,7 +959,8 @@ def _recorded_max_length(store: Any) -> int | None:
 
 def _recorded_settings(store: Any) -> dict[str, Any] | None:
     """What an opened ``store`` that a resume continues records of the settings its resumed
-    samples must be captured with: ``max_length`` (:func:`_recorded_max_length`) and
+    samples must be captured with: ``max_length`` (:func:`_recorded_max_length`), ``padding``
+    (provenance ``padding``) and
     ``include`` (:func:`_recorded_include`), each left out where the store records none;
     plain values, sent to the other ranks under torchrun. None for no store."""
     if store is None:
@@ -921,6 +969,10 @@ def _recorded_settings(store: Any) -> dict[str, Any] | None:
     max_length = _recorded_max_length(store)
     if max_length is not None:
         settings["max_length"] = max_length
+    provenance = store.attrs.get("provenance")
+    padding = provenance.get("padding") if isinstance(provenance, dict) else None
+    if padding in PADDINGS:
+        settings["padding"] = padding
     include = _recorded_include(store)
     if include is not _UNRECORDED:
         settings["include"] = include
@@ -942,7 +994,7 @@ def _agreed_settings(out: str, mine: dict[str, Any] | None, every: list[Any]) ->
         rows of both. Nothing is changed.
     """
     held = [(r, s) for r, s in enumerate(every) if isinstance(s, dict)]
-    for key, flag in (("max_length", "--max-length"), ("include", "--include patterns")):
+    for key, flag in (("max_length", "--max-length"), ("padding", "--padding"), ("include", "--include patterns")):
         known = [(r, s[key]) for r, s in held if key in s]
         if any(v != known[0][1] for _, v in known):
             raise ArgumentValueError(
@@ -1418,10 +1470,11 @@ def _check_full_resume(out: str, model: Any, *, include: list[str] | None, exclu
 def capture_store_options(
     *, model: str, data: str, command: str | None = None, resume: bool = False, overwrite: bool = False,
     compression: str | None = None, shard_bytes: int | None = None, chunk_rows: int | None = None,
-    max_length: int | None = None,
+    max_length: int | None = None, padding: str | None = None,
 ) -> dict[str, Any]:
     """``store_options`` of :class:`ActivationScope` for a capture of ``model`` over ``data``:
-    provenance (with ``max_length``, the token limit of text data, when given), and only the
+    provenance (with ``max_length``, the token limit of text data, and ``padding``, how its
+    batches are padded, when given), and only the
     options that were given (``compression='none'`` is the default).
     Raises ArgumentTypeError for a ``resume`` or ``overwrite`` that is not a bool."""
     from .._args import parse_flag
@@ -1429,6 +1482,8 @@ def capture_store_options(
     options: dict[str, Any] = {"provenance": {"model": model, "data": data, "command": command or ""}}
     if max_length is not None:
         options["provenance"]["max_length"] = int(max_length)
+    if padding is not None:
+        options["provenance"]["padding"] = str(padding)
     if parse_flag(overwrite, "overwrite"):
         options["overwrite"] = True
     if parse_flag(resume, "resume"):
@@ -1724,7 +1779,7 @@ def text_batches(
     texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int,
     labels: Sequence[Any] | None = None, first_id: int = 0, extra: dict[str, Sequence[Any]] | None = None,
     sample_ids: Sequence[int] | None = None, max_positions: int | None = None, warn_cut: bool = True,
-    resumed: bool = False,
+    resumed: bool = False, padding: str = "longest",
 ) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
     """Tokenized batches with their ``set_batch`` arguments (mask, sample ids, label, text,
     and the per-token column ``token_ids``: the ``input_ids``, which the store takes at the
@@ -1738,11 +1793,13 @@ def text_batches(
     (``max_positions``, the positions the model takes, when given, bounds that advice);
     ``warn_cut=False`` for a caller that cuts its texts on purpose and says so itself;
     ``resumed=True`` words that advice for a resume, which keeps the store's ``--max-length``.
+    ``padding``: ``"longest"`` pads each batch to its longest text, ``"max_length"`` every batch
+    to ``max_length`` tokens (:data:`PADDINGS`).
     """
     if sample_ids is not None and len(sample_ids) != len(texts):
         raise ArgumentValueError(f"sample_ids must have one entry per text ({len(texts)}), got {len(sample_ids)}")
     n_cut, longest = 0, (0, -1)  # texts cut to max_length; (tokens, -sample id) of the longest
-    for start, enc in iter_text_batches(texts, tokenizer, batch_size, max_length):
+    for start, enc in iter_text_batches(texts, tokenizer, batch_size, max_length, padding=padding):
         n = enc["input_ids"].shape[0]
         for i, length in _cut_lengths(texts[start:start + n], enc, tokenizer, max_length):
             n_cut += 1
@@ -1821,9 +1878,10 @@ def _are_token_ids(tensor: Any) -> bool:
 
 
 def iter_text_batches(
-    texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int = MAX_LENGTH
+    texts: Sequence[str], tokenizer: Any, batch_size: int, max_length: int = MAX_LENGTH, padding: str = "longest",
 ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Tokenize ``texts`` batch by batch (padded to the batch's longest, truncated).
+    """Tokenize ``texts`` batch by batch (padded to the batch's longest, or with
+    ``padding="max_length"`` to ``max_length`` tokens; truncated to ``max_length``).
 
     Yields
     ------
@@ -1833,9 +1891,11 @@ def iter_text_batches(
     """
     if batch_size < 1:
         raise ArgumentValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if padding not in PADDINGS:
+        raise ArgumentValueError(f"padding must be one of {list(PADDINGS)}, got {padding!r}")
     for start in range(0, len(texts), batch_size):
         chunk = list(texts[start:start + batch_size])
-        encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        encoded = tokenizer(chunk, padding=padding, truncation=True, max_length=max_length, return_tensors="pt")
         yield start, dict(encoded)
 
 

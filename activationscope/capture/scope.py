@@ -1847,14 +1847,14 @@ class Tracker:
                     # the rows are intact: commit them ("incomplete": a resume computes the
                     # reductions again over them), and never leave the writer holding its lock
                     try:
-                        self.writer.close(status="incomplete")
+                        self._close_writer("incomplete")
                     except BaseException:  # noqa: BLE001
                         self.writer.abort(e)
                     self._settle_unused_store(e)
                     raise
                 if silent and not self._sinks:
                     # nothing was recorded: never report such a store as a success
-                    self.writer.close(status="incomplete")
+                    self._close_writer("incomplete")
                     raise CaptureError(
                         f"the capture into {self.writer.path!r} recorded no hook point in {self._n_captured} forward(s) "
                         f"(store left 'incomplete'): {_silent_message(silent, self.model)}"
@@ -1869,12 +1869,12 @@ class Tracker:
                         "committed without it",
                         CaptureWarning,
                     )
-                    self.writer.close(status=status)
+                    self._close_writer(status)
                     return
                 if not self._sinks and self._n_captured == 0 and not int(self.writer.n_samples_committed):
                     # no forward was captured at all (an empty data loader, max_k=0, the model
                     # never called): a new store holding nothing is not a success either
-                    self.writer.close(status="incomplete")
+                    self._close_writer("incomplete")
                     removed = self._remove_unused_store(None)
                     if removed:
                         fate = "so the store holds no hook point (removed: it was new)"
@@ -1908,7 +1908,7 @@ class Tracker:
                         "yielded batches and that capture_policy / max_k let a forward through)"
                     )
                 try:
-                    self.writer.close(status=status)
+                    self._close_writer(status)
                 except BaseException as e:
                     self._settle_unused_store(e)  # (a first commit that failed: no row to resume)
                     raise
@@ -1921,7 +1921,7 @@ class Tracker:
                 stopped_by = getattr(self.writer, "stopped_by", None)
                 if callable(stopped_by):  # (a multi-rank writer tells the other ranks what stopped it)
                     stopped_by(exc)
-                self.writer.close(status="incomplete")
+                self._close_writer("incomplete", raise_finished=False)
             except BaseException as e:  # noqa: BLE001
                 if not (str(exc) and str(exc) in str(e)):  # (the close met the same failure: the error says it)
                     warn_at_caller(
@@ -1933,6 +1933,27 @@ class Tracker:
             self._settle_unused_store(exc)
             return
         self._warn_silent(silent)
+
+    def _close_writer(self, status: str, raise_finished: bool = True) -> None:
+        """Close the store with ``status``. A Ctrl-C that cuts that close short before its commit
+        (the rows flushed to their shards, the writer still holding its lock: the writer's
+        ``close_pending``) does not give those rows up: the close is finished once more, as
+        ``StoreWriter.close`` called again finishes it (every forward handed to the writer
+        committed, with the status the close began with), and the KeyboardInterrupt goes on
+        (``raise_finished=False``: not once that second try finished the close, for a close
+        after the body raised, whose exception goes on). A Ctrl-C during that second try leaves
+        the close to the abort that follows (the store at its last commit), as before."""
+        try:
+            self.writer.close(status=status)
+        except KeyboardInterrupt:
+            if not getattr(self.writer, "close_pending", False):
+                raise
+            try:
+                self.writer.close(status=status)
+            except BaseException:  # noqa: BLE001 - the first Ctrl-C stays the one raised
+                raise_finished = True
+            if raise_finished:
+                raise
 
     def _note_lost_store(self, exc: BaseException) -> None:
         """After a failed capture: when the store's folder was moved, removed or replaced while

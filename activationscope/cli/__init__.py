@@ -290,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=None,
                    help="token limit of text samples, special tokens included; longer texts are cut, with a warning "
                         "(default: 128, or the model's positions where it takes fewer)")
+    p.add_argument("--padding", choices=("longest", "max_length"), default=None,
+                   help="how each batch of text is padded: 'longest' (default) to its longest text, 'max_length' "
+                        "every batch to --max-length tokens, so that a hook point stored one row per sample whose "
+                        "shape follows the length (an attention map (batch, heads, pos, pos)) keeps one shape; "
+                        "token rows leave the padding out either way (a --resume pads as the store was)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue an incomplete store from its next sample")
     group.add_argument("--overwrite", action="store_true", help="replace an existing store")
@@ -506,10 +511,12 @@ _CLI_SPELLINGS = (
     ('The attention mask given to set_batch (or taken from the input by rows="token") is (batch, pos)',
      "The attention mask of the tokenized text is (batch, pos)"),
     # sink.cpp: a sample-row hook point whose shape follows pos (an attention map): the command
-    # pads each batch of text to its longest text, with no option of one length for every batch
+    # pads each batch of text to its longest text unless --padding max_length pads every one to --max-length
     ('pad every batch to one length (a tokenizer\'s padding="max_length", max_length=N; the token rows of the other '
      "hook points still leave the padding out), so that its rows keep one shape, or leave it out of the capture",
-     "the command pads each batch of text to its own longest text, so leave it out of the capture"),
+     "capture again with --overwrite --padding max_length, which pads every batch of text to --max-length tokens "
+     "(the token rows of the other hook points still leave the padding out), so that its rows keep one shape, or "
+     "leave it out of the capture"),
     ('(exclude= its module, or capture="output": it is an input of its module)',
      "(--exclude its module, or --capture output: it is an input of its module)"),
     ("(exclude= its module)", "(--exclude its module)"),
@@ -785,7 +792,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         include=_patterns(args.include), exclude=_patterns(args.exclude, "--exclude"), capture=args.capture,
         reductions=args.reduce, dtype=args.dtype, compression=args.compression,
         shard_bytes=args.shard_bytes, chunk_rows=args.chunk_rows, batch_size=args.batch_size,
-        max_samples=args.max_samples, max_length=args.max_length, resume=args.resume, overwrite=args.overwrite,
+        max_samples=args.max_samples, max_length=args.max_length, padding=args.padding, resume=args.resume,
+        overwrite=args.overwrite,
         stop_after_last=args.stop_after_last, progress=not args.no_progress,
         command=" ".join([PROG, *args.argv]),
         token_rows=_token_rows(args.sample_rows, args.token_rows), rows=args.rows,

@@ -2780,6 +2780,13 @@ class StoreWriter:
             except BaseException as e:  # never die silently: the store fails with the cause
                 core.fail_encoded(ident, f"{type(e).__name__}: {e}")
 
+    @property
+    def close_pending(self) -> bool:
+        """Whether a :meth:`close` was cut short by a Ctrl-C before its commit: the writer keeps
+        its lock and the rows it flushed, and :meth:`close` called again commits them (as the
+        cut-short close began: its status), where :meth:`abort` would give them up."""
+        return self._closing is not None
+
     # ------------------------------------------------------------------ batches
     @property
     def n_batches_committed(self) -> int:

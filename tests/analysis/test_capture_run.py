@@ -141,6 +141,7 @@ def test_options_and_dtype_reach_the_store(nets, tmp_path):
         ({"max_length": -3}, ["--max-length must be a positive int, got -3"]),
         ({"reductions": ["mean", "median"]}, ["unknown reduction 'median'"]),
         ({"dtype": "int8"}, ["--dtype must be one of", "'int8'"]),
+        ({"padding": "max"}, ["--padding must be one of ['longest', 'max_length'], got 'max'"]),
         ({"resume": True}, ["--resume", "does not exist"]),
         ({"resume": True, "overwrite": True}, ["exclude each other"]),
     ],
@@ -607,3 +608,6 @@ def test_a_rank_without_a_rank_store_takes_the_settings_the_others_record():
         agreed("s.zarr", None, [{"max_length": 6}, None, {"max_length": 8}])
     with pytest.raises(ArgumentValueError, match=r"record other --include patterns: rank 0 None, rank 1 \['a'\]"):
         agreed("s.zarr", {"include": None}, [{"include": None}, {"include": ["a"]}])
+    assert agreed("s.zarr", None, [None, {"padding": "max_length"}]) == {"padding": "max_length"}
+    with pytest.raises(ArgumentValueError, match=r"record other --padding: rank 0 'longest', rank 1 'max_length'"):
+        agreed("s.zarr", None, [{"padding": "longest"}, {"padding": "max_length"}, None])
