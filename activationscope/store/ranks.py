@@ -1215,17 +1215,35 @@ def _check_commit_record(b: Any, attrs: dict, dist: dict, ranks: list[int]) -> N
         "move it away) and consolidate again")
 
 
-def _refuse_held_ranks(b: Any, ranks: list[int]) -> None:
-    """Raise :class:`StoreError` when a writer still holds the lock of one of the rank stores
-    ``ranks`` of the local store ``b`` (a local lock is held only by a live writer: flock,
-    FORMAT.md section 7), whatever that rank store's root says: its close may still be running,
-    or be cut short by a Ctrl-C (complete or not, it is that writer's until that close is
-    called again), and nothing is read, written or removed under it meanwhile."""
+def _refuse_held_ranks(b: Any, ranks: list[int], held: contextlib.ExitStack) -> None:
+    """Take the writer lock of each of the rank stores ``ranks`` of the local store ``b``, kept
+    in ``held`` (released when it closes: after the commit, which removes those stores); raise
+    :class:`StoreError` when a writer still holds one (a local lock is held only by a live
+    writer: flock, FORMAT.md section 7), whatever that rank store's root says: its close may
+    still be running, or be cut short by a Ctrl-C (complete or not, it is that writer's until
+    that close is called again), and nothing is read, written or removed under it meanwhile.
+    The lock is taken, not only asked about: a writer of a rank store (a ``RankStore`` task
+    resumed) starting after the question was asked was let in, and wrote into a rank store the
+    commit was reading and then removed; it is refused now, as a second writer is.
+
+    A rank store whose lock file cannot be taken for another cause (not a folder, a lock file
+    that is no regular file) can be held by no writer either: only asked about, as before
+    (the commit refuses it, or removes it, as it does any damaged rank store)."""
     if not isinstance(b, LocalBackend):
         return
     for r in ranks:
         path = rank_target(str(b), r)
-        holder = writer_holding(LocalBackend(path))
+        holder = None
+        if Path(path).is_dir():
+            try:
+                held.enter_context(WriterLock(LocalBackend(path)))
+                continue
+            except StoreLockedError:
+                holder = writer_holding(LocalBackend(path)) or "another process"
+            except StoreError:
+                holder = None
+        if holder is None:
+            holder = writer_holding(LocalBackend(path))
         if holder is not None:
             raise StoreError(f"rank {r} store {path!r} is still being written (its writer lock is held by {holder}): "
                              "wait for it to finish (a capture whose close a Ctrl-C cut short holds it until its "
@@ -1236,13 +1254,20 @@ def _refuse_held_ranks(b: Any, ranks: list[int]) -> None:
 def _commit_ranks(b: Any, target: Any, storage_options: dict | None,
                   make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
                   verify: bool = True) -> dict:
+    with contextlib.ExitStack() as held:  # (the rank stores' writer locks: _refuse_held_ranks)
+        return _commit_ranks_held(b, target, storage_options, make_reduction, world_size, verify, held)
+
+
+def _commit_ranks_held(b: Any, target: Any, storage_options: dict | None,
+                       make_reduction: Callable[[str, str, dict], Any] | None, world_size: int | None,
+                       verify: bool, held: contextlib.ExitStack) -> dict:
     t_start = time.monotonic()
     etag = _root_etag(b)
     raw = b.get("zarr.json")
     root_attrs: Any = _root_attrs_to_commit(b, raw) if raw else {}
     dist = root_attrs.get("distributed") or {}
     ranks = listed_rank_stores(b)
-    _refuse_held_ranks(b, ranks)
+    _refuse_held_ranks(b, ranks, held)
     # FORMAT.md section 10, "Capturing a store again": rank stores of the run that captures this
     # root's store again make the commit a new run that replaces the store (its root first)
     again = capture_again_run_id(root_attrs, raw) if raw else None

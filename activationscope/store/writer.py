@@ -1634,10 +1634,12 @@ class StoreWriter:
         self._row_tables = json.loads(json.dumps(st.get("row_tables") or {
             kind: {"parts": [], "n_rows": 0, "columns": []} for kind in self._row_kinds}))
         # row-table parts (_write_part, _merge_parts): the bytes decoded of each part known (written by this
-        # writer; of a part found by a resume, its file's), the next commit index of each kind, the runs of
-        # parts found unfit to merge, and the parts to remove once a root no longer lists them (replaced by a
-        # merge, or a merge its commit failed to list)
+        # writer; of a part found by a resume, its file's), the rows of each part known (written by this
+        # writer; of a part found by a resume, its footer's, checked against n_rows), the next commit index of
+        # each kind, the runs of parts found unfit to merge, and the parts to remove once a root no longer
+        # lists them (replaced by a merge, or a merge its commit failed to list)
         self._part_sizes: dict[str, int] = {}
+        self._part_rows: dict[str, int] = {}
         self._next_part: dict[str, int] = {}
         self._unmergeable: set[tuple[str, ...]] = set()
         self._dropped_parts: set[str] = set()
@@ -2106,6 +2108,7 @@ class StoreWriter:
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
                                        f"file ({e}){end}", fix=fix) from None
                 total += footer.num_rows
+                self._part_rows[key] = footer.num_rows  # (their sum checked against n_rows below)
                 if total > int(tbl.get("n_rows", 0)):  # (before its columns are decoded: allocated by that count)
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: its parts up to {key!r} hold {total} rows "
                                        f"by their footers, but zarr.json says n_rows {tbl.get('n_rows', 0)}{end}",
@@ -3823,6 +3826,7 @@ class StoreWriter:
         self._document_bytes += len(data)
         self._next_part[kind] = index + 1
         self._part_sizes[key] = table.nbytes
+        self._part_rows[key] = table.num_rows
         info["parts"].append(key)
         info.setdefault("crc32c", {})[key] = F.crc32c(data)
         info["n_rows"] = int(info.get("n_rows", 0)) + table.num_rows
@@ -3909,8 +3913,9 @@ class StoreWriter:
         ``part-<a>-<b>.parquet``, listed in their place in the table's crc32c; its key, or None
         (nothing written) when they are not merged: one is missing or fails its crc32c (left as
         it is for ``verify`` to name, never rewritten under a new crc32c), is no readable
-        Parquet (or its footer says more rows than the table's ``n_rows`` leaves it, refused
-        before a value is decoded), they decode to more than :data:`ROW_PART_MERGE_MAX_BYTES`, or the merged part
+        Parquet (or its footer says more rows than the table's ``n_rows`` leaves it once the
+        rows of the table's other parts known to the writer and of the group's parts before it
+        are taken off, refused before a value is decoded), they decode to more than :data:`ROW_PART_MERGE_MAX_BYTES`, or the merged part
         would not read back as their concatenation (the same columns, types and values).
         Raises as the backend's ``set`` does (a full disk)."""
         import pyarrow as pa
@@ -3920,13 +3925,16 @@ class StoreWriter:
         info = self._row_tables[kind]
         crcs = info.get("crc32c") or {}
         tables = []
-        n_rows = int(info.get("n_rows", 0))
+        members = set(group)  # (the rows of the table's other parts, known: written or checked by this writer)
+        others = sum(self._part_rows.get(key, 0) for key in info.get("parts", []) if key not in members)
+        n_rows = int(info.get("n_rows", 0)) - others
         for key in group:
             raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
             want = crcs.get(key)
             if raw is None or (want is not None and F.crc32c(raw) != int(want)):
                 break
-            try:  # (no more rows than the table's n_rows leaves: Parquet allocates by what a footer says)
+            try:  # (no more rows than the table's n_rows leaves after the other parts: Parquet allocates by
+                # what a footer says)
                 tables.append(read_parquet_part(raw, b, key, max_rows=n_rows - sum(t.num_rows for t in tables)))
             except StoreCorruptError:
                 break
@@ -3951,6 +3959,7 @@ class StoreWriter:
         b.set(key, data)
         self._document_bytes += len(data)
         self._part_sizes[key] = table.nbytes
+        self._part_rows[key] = table.num_rows
         self._dropped_parts.update(group)
         crcs = info.setdefault("crc32c", {})
         for old in group:
@@ -3985,6 +3994,8 @@ class StoreWriter:
             crcs[new] = crcs.pop(key)
         if key in self._part_sizes:
             self._part_sizes[new] = self._part_sizes[key]
+        if key in self._part_rows:
+            self._part_rows[new] = self._part_rows[key]
 
     def _drop_unlisted_parts(self) -> None:
         """After a root: remove the row-table parts a merge replaced (and merged parts of a
@@ -4002,6 +4013,7 @@ class StoreWriter:
                 failed.add(key)
                 continue
             self._part_sizes.pop(key, None)
+            self._part_rows.pop(key, None)
         self._dropped_parts = failed
 
     # ------------------------------------------------------------------ reductions

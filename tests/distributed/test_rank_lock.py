@@ -241,3 +241,42 @@ def test_a_ctrl_c_once_rank_0_prepared_the_store_leaves_no_lock(tmp_path, text):
                           str(tmp_path / "pg"), text], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "FREE", out.stdout + out.stderr[-3000:]
+
+
+def test_a_rank_store_writer_started_once_consolidate_found_it_free_is_refused(tmp_path, monkeypatch):
+    """``consolidate`` (commit_ranks) asked whether a writer held each rank store's lock, then
+    read the rank stores, committed them and removed them, holding no lock of theirs: a writer
+    of a rank store (a ``RankStore`` task resumed) starting once the question was answered was
+    let in, and wrote into a rank store the commit read and then removed. Now the commit takes
+    each rank store's lock: such a writer is refused, and the commit goes on undisturbed."""
+    import torch
+
+    import torchrun_capture as job
+    from activationscope.store import ranks
+
+    url = tmp_path / "s.zarr"
+    model = job.toy_mlp(job.WIDTH, 3).eval()
+    for r in range(WORLD):
+        scope = acs.ActivationScope(store=str(url), reductions=["mean"],
+                                    store_options={**job.STORE_OPTIONS, "process_group": acs.RankStore(r, WORLD)})
+        with scope.track(model) as tracker, torch.no_grad():
+            tracker.set_batch(sample_ids=torch.arange(job.BATCH) + r * job.BATCH)
+            model(job.batch(r))
+    started = []
+
+    def refuse_then_a_writer_starts(*args, _refuse=ranks._refuse_held_ranks):
+        _refuse(*args)
+        try:  # (a rank task resumed right after the rank stores were found free)
+            StoreWriter(str(url / "ranks" / "00001"), resume=True).abort(RuntimeError("let in"))
+            started.append("let in")
+        except acs.StoreLockedError as e:
+            started.append(str(e))
+
+    monkeypatch.setattr(ranks, "_refuse_held_ranks", refuse_then_a_writer_starts)
+    out = commit_ranks(str(url))
+    assert out["n_ranks"] == WORLD and out["n_samples"] == WORLD * job.BATCH
+    assert len(started) == 1 and started[0] != "let in", started
+    assert "ranks/00001" in started[0] and f"pid {os.getpid()} on host" in started[0], started[0]
+    st = acs.open_store(url)
+    assert st.status == "complete" and st.n_samples == WORLD * job.BATCH and st.verify() == []
+    assert not (url / "ranks").exists()

@@ -426,3 +426,35 @@ def test_a_merge_refuses_a_part_whose_footer_says_more_rows_than_the_table_holds
     assert decoded == ["read"], "a part whose footer lies was decoded"  # (the first part's only)
     assert info["parts"] == group and not (path / "rows/sample/part-000000-000003.parquet").exists()
     c.w.abort(RuntimeError("stopped"))
+
+
+def test_a_merge_bounds_a_part_s_rows_by_those_the_table_s_other_parts_leave(tmp_path, monkeypatch):
+    """A merge of the table's last two parts (of 2 rows each, n_rows 8), the second replaced,
+    its crc32c as the writer holds it matching, by one whose footer says 5 rows: the merge
+    bounded it by n_rows less the rows of the group's parts before it (6), though the two
+    parts before the group hold 4 rows the writer wrote: it decoded it, and wrote a merged part
+    of its rows. Now its bound is the
+    rows the table's other parts leave (2): refused before a value is decoded, the parts left
+    as they are."""
+    from parquet_footer import lying_row_counts, spy_decodes
+
+    from activationscope.store import _format as F
+
+    path = tmp_path / "s.zarr"
+    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
+    c = merge_child.Capture(str(path))
+    for i in range(4):
+        c.forward(i, 100)
+    info = c.w._row_tables["sample"]
+    parts = list(info["parts"])
+    assert len(parts) == 4 and info["n_rows"] == 8
+    group = parts[2:]
+    raw = (path / group[1]).read_bytes()
+    lie = lying_row_counts(raw, {0: 5}, file_rows=5, values=True)
+    (path / group[1]).write_bytes(lie)
+    info["crc32c"][group[1]] = F.crc32c(lie)
+    decoded = spy_decodes(monkeypatch)
+    assert c.w._merged_part("sample", group, (2, 3)) is None
+    assert decoded == ["read"], "a part whose footer says more rows than the table's other parts leave was decoded"
+    assert info["parts"] == parts and not (path / "rows/sample/part-000002-000003.parquet").exists()
+    c.w.abort(RuntimeError("stopped"))
