@@ -391,6 +391,20 @@ def test_a_reader_whose_parts_are_merged_again_at_every_read_is_told_to_refresh(
     assert roots[0] == 3
 
 
+def _four_unmerged_parts(tmp_path, monkeypatch):
+    """A capture (merges held off) of four forwards of 2 rows: (path, capture, the sample
+    row table's writer record, its 4 part keys)."""
+    path = tmp_path / "s.zarr"
+    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
+    c = merge_child.Capture(str(path))
+    for i in range(4):
+        c.forward(i, 100)
+    info = c.w._row_tables["sample"]
+    parts = list(info["parts"])
+    assert len(parts) == 4 and info["n_rows"] == 8
+    return path, c, info, parts
+
+
 def test_a_merge_refuses_a_part_whose_footer_says_more_rows_than_the_table_holds_before_decoding(tmp_path,
                                                                                                  monkeypatch):
     """A listed part replaced, its crc32c as the writer holds it matching, by one whose footer
@@ -403,14 +417,7 @@ def test_a_merge_refuses_a_part_whose_footer_says_more_rows_than_the_table_holds
 
     from activationscope.store import _format as F
 
-    path = tmp_path / "s.zarr"
-    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
-    c = merge_child.Capture(str(path))
-    for i in range(4):
-        c.forward(i, 100)
-    info = c.w._row_tables["sample"]
-    group = list(info["parts"])
-    assert len(group) == 4 and info["n_rows"] == 8
+    path, c, info, group = _four_unmerged_parts(tmp_path, monkeypatch)
     raw = (path / group[1]).read_bytes()
     lie = lying_row_counts(raw, {0: 2**24}, file_rows=2**24, values=True)
     (path / group[1]).write_bytes(lie)
@@ -440,14 +447,7 @@ def test_a_merge_bounds_a_part_s_rows_by_those_the_table_s_other_parts_leave(tmp
 
     from activationscope.store import _format as F
 
-    path = tmp_path / "s.zarr"
-    monkeypatch.setattr(W, "ROW_PARTS_BEFORE_MERGE", 1 << 40)
-    c = merge_child.Capture(str(path))
-    for i in range(4):
-        c.forward(i, 100)
-    info = c.w._row_tables["sample"]
-    parts = list(info["parts"])
-    assert len(parts) == 4 and info["n_rows"] == 8
+    path, c, info, parts = _four_unmerged_parts(tmp_path, monkeypatch)
     group = parts[2:]
     raw = (path / group[1]).read_bytes()
     lie = lying_row_counts(raw, {0: 5}, file_rows=5, values=True)
