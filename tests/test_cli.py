@@ -1898,6 +1898,8 @@ def test_report_command(tmp_path, toy_store, capsys):
         assert (tmp_path / "rep" / f"hp_{hp.replace('.', '_')}.png").stat().st_size > 5000
         assert hp in page
     assert "No probe" in page  # the tensor data had no labels
+    # ... and the page says how to name a label column in the command's own flag
+    assert "--label-column" in page, page
     assert "report:" in stdout
 
 

@@ -192,7 +192,7 @@ def _columns_note(store: Any, hook_point: str, label_column: str) -> str:
         return ""
     if label_column in names:  # (the column is there: not one of its samples is labelled)
         return f"; every sample's {label_column!r} is missing, -1, -100 or empty"
-    return f"; its columns are {names}{column_hint([label_column], names)}; pass label_column= one of them"
+    return f"; its columns are {names}{column_hint([label_column], names)}; pass one of them as the label column (label_column=; command line: --label-column)"
 
 
 def _check_one_per_row(values: Any, what: str) -> None:

@@ -418,7 +418,8 @@ def test_probe_store_of_a_mistyped_label_column_names_the_columns_there_are(tmp_
     got = probe_store(store, "d.0.output", label_column="lable")
     assert dict(got) == {} and got.skipped == {
         "d.0.output": "the row table has no labelled 'lable' column; its columns are ['sample_id', 'batch', 'label']; "
-                      "did you mean ['label'] for 'lable'?; pass label_column= one of them"}
+                      "did you mean ['label'] for 'lable'?; pass one of them as the label column (label_column=; command "
+                      "line: --label-column)"}
     assert "d.0.output" in probe_store(store, "d.0.output", label_column="label")
 
 
