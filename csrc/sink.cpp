@@ -616,9 +616,17 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   const at::ScalarType rows_dtype = options_.storage_dtype.value_or(x.scalar_type());
   const size_t lead = row_kind_ == 1 ? 2 : 1;  // (batch, pos) of token rows, batch of sample rows
   c10::IntArrayRef rows_feat = x.dim() < static_cast<int64_t>(lead) ? c10::IntArrayRef() : x.sizes().slice(lead);
-  if (rows_dtype == dtype && rows_feat == c10::IntArrayRef(feat)) return;
+  const bool same_shape = rows_feat == c10::IntArrayRef(feat);
+  if (rows_dtype == dtype && same_shape) return;
   count_call(-1);
   seen_dtype_.reset();
+  // storage_dtype casts floating-point hook points only, which the first call decides: it makes
+  // these rows fit where that call was floating-point, the dtype alone differs and the rows are
+  // numbers it casts (not complex, not bits). (Given, it cast them already: their dtype is the
+  // array's.) After an integer, bool or complex first call it changes nothing: named, as no fix.
+  const bool other_dtype = rows_dtype != dtype;
+  const bool cast_fits = other_dtype && same_shape && at::isFloatingType(dtype) && !x.is_complex() && !is_bits(x);
+  const bool cast_cannot = other_dtype && !at::isFloatingType(dtype);
   ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
             shape_str(feat), ", ", dtype_name(dtype), "), which fixed ",
             array ? "its store array's row shape and dtype"
@@ -627,8 +635,11 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
             array ? c10::str(", and would be stored cast to ", dtype_name(dtype), " or refused")
                   : std::string(", and would be reduced as rows the store does not describe"),
             ". Return an empty tensor of the rows' shape and dtype ",
-            "(x.new_empty((0, *rows.shape[1:]))), pass storage_dtype= to store every row as one dtype, or ",
-            "exclude= its module");
+            "(x.new_empty((0, *rows.shape[1:]))), ",
+            cast_fits ? "pass storage_dtype= to store every row as one dtype, " : "", "or exclude= its module",
+            cast_cannot ? c10::str(" (storage_dtype casts floating-point hook points only, decided at their first call, ",
+                                   "which was ", dtype_name(dtype), " here, so it does not make these rows fit)")
+                        : std::string());
 }
 
 void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
