@@ -563,6 +563,50 @@ def test_storage_dtype_is_advised_after_an_empty_first_batch_only_where_it_makes
             capture(storage_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("policy", [acs.ReductionPolicy.STORE_ALL, STREAMING], ids=["array", "reductions-only"])
+def test_a_resume_whose_first_call_is_integer_casts_it_as_the_store_holds_it(tmp_path, policy):
+    # a hook point the store holds as float16 (storage_dtype: its first call was floating-point)
+    # whose first call of the resume gives integers: a store of arrays cast them to float16, as
+    # its rows are; a store that keeps reductions only refused them (int64 rows, where it reduced
+    # float16 ones). Now both cast them, and refuse an integer float16 would change
+    path = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Identity())
+
+    def capture(xs, resume):
+        scope = acs.ActivationScope(store=str(path), reduction_policy=policy, reductions=["mean", "max"],
+                                    storage_dtype=torch.float16, store_options={"resume": resume})
+        with scope.track(model), torch.no_grad():
+            for x in xs:
+                model(x)
+
+    first, ints = torch.tensor([[1.5, -2.0, 3.25]]), torch.tensor([[3, 2048, -7]])
+    capture([first], False)
+    capture([ints], True)
+    want = torch.cat([first, ints.float()]).half()
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 2
+    if policy is STREAMING:
+        assert store.reduced["0.output"] == {"row_kind": "sample", "feature_shape": [3], "dtype": "float16", "n_rows": 2}
+    else:
+        got = store["0.output"][:]
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+    torch.testing.assert_close(store.reductions["0.output"]["mean"], want.double().mean(0))
+    torch.testing.assert_close(store.reductions["0.output"]["max"], want.double().max(0).values, rtol=0, atol=0)
+    # an integer float16 cannot hold is refused, naming why it is cast; the store kept as it was
+    with pytest.raises(CaptureError) as err:
+        capture([torch.tensor([[3, 2049, -7]])], True)
+    msg = str(err.value)
+    assert ("hook point '0.output' is torch.int64 and storage_dtype=torch.float16 changes its integers (2049 would be "
+            "stored as 2048") in msg, msg
+    held = ("the store it resumes (it keeps reductions only) reduced its rows as torch.float16" if policy is STREAMING
+            else "its store array holds torch.float16")
+    assert f"this one is cast because {held} (a store written by an earlier version, which cast integer hook " \
+           "points too, or one whose first call of the hook point was floating-point)" in msg, msg
+    store = open_store(path)
+    assert store.n_samples == 2
+    torch.testing.assert_close(store.reductions["0.output"]["max"], want.double().max(0).values, rtol=0, atol=0)
+
+
 def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_path):
     # a per_feature=0 reduction takes rows of any feature shape: the store, which records one
     # feature shape per hook point, refuses the change before the rows are reduced

@@ -1647,6 +1647,8 @@ class StoreWriter:
         # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
         # listed from the batch that records the forward each was first seen in
         self._reduced: dict[str, dict] = {hp: dict(e) for hp, e in (st.get("reduced") or {}).items()}
+        # (the dtype each stored one's rows were reduced as, when this writer opened: stored_dtype)
+        self._stored_reduced_dtypes: dict[str, Any] = {hp: e.get("dtype") for hp, e in self._reduced.items()}
         self._unrecorded_reduced: list[str] = []
         self._declared: set[str] = set()  # (open_reduced by this writer)
         # with set_reduction_source: where each commit takes the reductions' states from, the
@@ -4488,10 +4490,12 @@ class StoreWriter:
 
     def stored_dtype(self, hook_point: str) -> str | None:
         """The dtype name (``"bfloat16"``, ``"int64"``, ...) of the array that held
-        ``hook_point`` (or the target of its alias) when this writer opened; None for a hook
-        point the store did not hold (a new store: always None). A resume casts a stored
-        integer hook point whose array holds ``storage_dtype`` (written by an earlier version)
-        again, so the array keeps one dtype.
+        ``hook_point`` (or the target of its alias) when this writer opened, or in a store that
+        keeps reductions only the dtype of the rows it reduced (``reduced``, FORMAT.md section
+        11); None for a hook point the store did not hold (a new store: always None). A resume
+        casts a stored integer hook point whose rows are ``storage_dtype`` (its first call was
+        floating-point, or an earlier version cast every hook point) again, so its rows keep one
+        dtype.
 
         Parameters
         ----------
@@ -4499,7 +4503,9 @@ class StoreWriter:
             A hook point of this capture.
         """
         meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
-        return None if meta is None else meta.get("dtype")
+        if meta is None:  # (a store that keeps reductions only has no array: the rows it reduced)
+            return self._stored_reduced_dtypes.get(hook_point)
+        return meta.get("dtype")
 
     def stored_row_kind(self, hook_point: str) -> str | None:
         """The row kind (``"sample"`` or ``"token"``) of the array that held ``hook_point``
