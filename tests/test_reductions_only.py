@@ -607,6 +607,33 @@ def test_a_resume_whose_first_call_is_integer_casts_it_as_the_store_holds_it(tmp
     torch.testing.assert_close(store.reductions["0.output"]["max"], want.double().max(0).values, rtol=0, atol=0)
 
 
+def test_a_new_store_whose_capture_committed_no_row_is_removed(tmp_path):
+    # a capture that failed before any row was committed removes the new store it made: one that
+    # keeps reductions only was left in place, with a RuntimeWarning that its removal failed (the
+    # removal counted its hook points' rows, which such a store refuses to read)
+    import warnings
+
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(_EmptyFirst(torch.empty(0, 5)))
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(CaptureError, match=r"returned an empty batch at its first call"), scope.track(model), \
+                torch.no_grad():
+            model(torch.zeros(0, 3))  # (recorded: no sample, the hook point listed with 0 rows reduced)
+            model(torch.ones(2, 3))
+    assert not path.exists()
+    # one that reduced rows is kept
+    model = torch.nn.Sequential(_EmptyFirst(torch.empty(0, 3)))
+    with pytest.raises(RuntimeError, match="stop"), \
+            acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
+            torch.no_grad():
+        model(torch.zeros(0, 3))
+        model(torch.ones(2, 3))
+        raise RuntimeError("stop")
+    assert open_store(path).reduced["0.output"]["n_rows"] == 2
+
+
 def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_path):
     # a per_feature=0 reduction takes rows of any feature shape: the store, which records one
     # feature shape per hook point, refuses the change before the rows are reduced
