@@ -145,15 +145,21 @@ void Sink::check_integers(const at::Tensor& src, const at::Tensor& cast) {
   const bool input = name_.find(".input") != std::string::npos;
   // storage_dtype casts floating-point hook points only (the Python side gives an integer or
   // bool one no storage_dtype); an integer reaches a cast in two cases: a hook point whose first
-  // call was floating-point (its rows have one dtype), or a resumed store that holds the hook
-  // point cast (written by a version that cast every hook point).
-  const bool first_float = seen_dtype_ && (at::isFloatingType(*seen_dtype_) || at::isComplexType(*seen_dtype_));
+  // call (an empty batch too) was floating-point (its rows have one dtype), or a resumed store
+  // that holds the hook point cast (in an array, or as the rows a store that keeps reductions
+  // only reduced: its first call in the resumed capture was floating-point, or it was written by
+  // a version that cast every hook point).
+  const std::optional<at::ScalarType> first_dtype = first_call_dtype_ ? first_call_dtype_ : seen_dtype_;
+  const bool first_float = first_dtype && (at::isFloatingType(*first_dtype) || at::isComplexType(*first_dtype));
   const std::string why =
-      first_float ? c10::str("its first call was ", dtype_name(*seen_dtype_), " and a hook point's rows have one ",
+      first_float ? c10::str("its first call was ", dtype_name(*first_dtype), " and a hook point's rows have one ",
                              "dtype: leave the hook point out ")
-                  : c10::str("its store array holds ", dtype_name(dtype), " (a store written by an earlier version, ",
-                             "which cast integer hook points too): capture into a new store (or overwrite=True), where ",
-                             "it keeps its own dtype, or leave the hook point out ");
+                  : c10::str(writer_ ? "its store array holds "
+                                     : "the store it resumes (it keeps reductions only) reduced its rows as ",
+                             dtype_name(dtype), " (a store written by an earlier version, which cast integer hook ",
+                             "points too, or one whose first call of the hook point was floating-point): capture ",
+                             "into a new store (or overwrite=True), where it keeps its own dtype, or leave the hook ",
+                             "point out ");
   ACS_CHECK(false, "hook point '", name_, "' is ", dtype_name(from), " and storage_dtype=", dtype_name(dtype),
             " changes its integers (", before, " would be stored as ", after, "; ", dtype_name(dtype),
             " holds every integer only up to ", bound, "), so the stored rows and their reductions would not be ",
@@ -616,9 +622,17 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   const at::ScalarType rows_dtype = options_.storage_dtype.value_or(x.scalar_type());
   const size_t lead = row_kind_ == 1 ? 2 : 1;  // (batch, pos) of token rows, batch of sample rows
   c10::IntArrayRef rows_feat = x.dim() < static_cast<int64_t>(lead) ? c10::IntArrayRef() : x.sizes().slice(lead);
-  if (rows_dtype == dtype && rows_feat == c10::IntArrayRef(feat)) return;
+  const bool same_shape = rows_feat == c10::IntArrayRef(feat);
+  if (rows_dtype == dtype && same_shape) return;
   count_call(-1);
   seen_dtype_.reset();
+  // storage_dtype casts floating-point hook points only, which the first call decides: it makes
+  // these rows fit where that call was floating-point, the dtype alone differs and the rows are
+  // numbers it casts (not complex, not bits). (Given, it cast them already: their dtype is the
+  // array's.) After an integer, bool or complex first call it changes nothing: named, as no fix.
+  const bool other_dtype = rows_dtype != dtype;
+  const bool cast_fits = other_dtype && same_shape && at::isFloatingType(dtype) && !x.is_complex() && !is_bits(x);
+  const bool cast_cannot = other_dtype && !at::isFloatingType(dtype);
   ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
             shape_str(feat), ", ", dtype_name(dtype), "), which fixed ",
             array ? "its store array's row shape and dtype"
@@ -627,8 +641,11 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
             array ? c10::str(", and would be stored cast to ", dtype_name(dtype), " or refused")
                   : std::string(", and would be reduced as rows the store does not describe"),
             ". Return an empty tensor of the rows' shape and dtype ",
-            "(x.new_empty((0, *rows.shape[1:]))), pass storage_dtype= to store every row as one dtype, or ",
-            "exclude= its module");
+            "(x.new_empty((0, *rows.shape[1:]))), ",
+            cast_fits ? "pass storage_dtype= to store every row as one dtype, " : "", "or exclude= its module",
+            cast_cannot ? c10::str(" (storage_dtype casts floating-point hook points only, decided at their first call, ",
+                                   "which was ", dtype_name(dtype), " here, so it does not make these rows fit)")
+                        : std::string());
 }
 
 void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
@@ -645,6 +662,7 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
   std::lock_guard<std::mutex> lock(mu_);
   check_layout(x);  // before the call is counted or anything of it kept
   count_call(1);
+  if (!first_call_dtype_) first_call_dtype_ = x.scalar_type();
   if (x.dim() >= 1 && fixed_sizes(x) && x.size(0) == 0) {
     // An empty batch: no rows, reductions or store writes. An in-memory capture still keeps
     // its (empty) record, so records stay one per call (record i is call i's; the last

@@ -317,6 +317,9 @@ class Sink {
   }
   std::vector<int64_t> feature_shape_;
   std::optional<at::ScalarType> seen_dtype_;
+  // the dtype of its first call, an empty batch too (the Python side decided by it whether
+  // storage_dtype casts the hook point): named by check_integers
+  std::optional<at::ScalarType> first_call_dtype_;
   bool warned_changed_ = false;
   size_t checked_ = 0;
   // alias bookkeeping

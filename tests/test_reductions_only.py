@@ -494,6 +494,146 @@ def test_rows_unlike_an_empty_first_batch_are_refused_as_a_store_array_refuses_t
     torch.testing.assert_close(store.reductions["0.output"]["mean"], rows[0].double(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("storage_dtype", [None, torch.float16], ids=["no-storage-dtype", "float16"])
+@pytest.mark.parametrize("policy", [acs.ReductionPolicy.STORE_ALL, STREAMING], ids=["array", "reductions-only"])
+def test_rows_after_an_integer_empty_first_batch_are_not_told_to_pass_storage_dtype(tmp_path, policy, storage_dtype):
+    # an int64 placeholder at the first call fixed the hook point's rows as int64: the refusal
+    # of the float32 rows after it advised storage_dtype=, which casts floating-point hook points
+    # only, so that a capture given it was refused the same way again
+    path = tmp_path / "r.zarr"
+    rows = torch.tensor([[1.5, -2.0, 3.25]])
+
+    def capture(placeholder, **options):
+        model = torch.nn.Sequential(_EmptyFirst(placeholder))
+        scope = acs.ActivationScope(store=str(path), reduction_policy=policy, reductions=["mean"],
+                                    storage_dtype=storage_dtype, store_options=options)
+        with scope.track(model), torch.no_grad():
+            model(rows[:0])  # (the empty batch)
+            model(rows)
+
+    with pytest.raises(CaptureError) as err:
+        capture(torch.empty(0, 3, dtype=torch.int64))
+    msg = str(err.value)
+    assert "hook point '0.output' returned an empty batch at its first call (rows of shape (3,), torch.int64)" in msg
+    assert "storage_dtype=" not in msg, msg
+    assert ("(x.new_empty((0, *rows.shape[1:]))), or exclude= its module (storage_dtype casts floating-point hook "
+            "points only, decided at their first call, which was torch.int64 here, so it does not make these rows "
+            "fit)") in msg, msg
+    # the fix it names: an empty first batch of the rows' shape and dtype
+    capture(torch.empty(0, 3), overwrite=True)
+    store = open_store(path)
+    want = rows if storage_dtype is None else rows.to(storage_dtype)
+    torch.testing.assert_close(store.reductions["0.output"]["mean"], want[0].double(), rtol=0, atol=0)
+    if policy is STREAMING:
+        assert store.reduced["0.output"]["dtype"] == str(want.dtype).replace("torch.", "")
+    else:
+        got = store["0.output"][:]
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("placeholder, then, advised", [
+    (torch.empty(0, 3, dtype=torch.float16), torch.tensor([[1.5, -2.0, 3.25]]), True),
+    (torch.empty(0, 3), torch.tensor([[1, 2, 3]]), True),  # (integer rows of a floating-point hook point: cast)
+    (torch.empty(0, 5), torch.tensor([[1.5, -2.0, 3.25]]), False),  # (the shape differs: no cast makes it fit)
+    (torch.empty(0, 3, dtype=torch.bool), torch.tensor([[1.5, -2.0, 3.25]]), False),
+    (torch.empty(0, 3), torch.tensor([[1 + 2j, 0j, 3j]]), False),  # (a complex row: storage_dtype refuses it)
+], ids=["float16-placeholder", "integer-rows", "other-shape", "bool-placeholder", "complex-rows"])
+def test_storage_dtype_is_advised_after_an_empty_first_batch_only_where_it_makes_the_rows_fit(
+        tmp_path, placeholder, then, advised):
+    model = torch.nn.Sequential(_EmptyFirst(placeholder))
+
+    def capture(**kwargs):
+        with acs.ActivationScope(store=str(tmp_path / "r.zarr"), reduction_policy=STREAMING, reductions=["max"],
+                                 store_options={"overwrite": True}, **kwargs).track(model), torch.no_grad():
+            model[0].calls = 0
+            model(then[:0])
+            model(then)
+
+    with pytest.raises(CaptureError) as err:
+        capture()
+    msg = str(err.value)
+    assert ("pass storage_dtype= to store every row as one dtype, or exclude= its module" in msg) is advised, msg
+    assert ("storage_dtype casts floating-point hook points only" in msg) is (placeholder.dtype == torch.bool), msg
+    if advised:  # the advice, taken: the rows are stored cast
+        capture(storage_dtype=torch.float32)
+        torch.testing.assert_close(open_store(tmp_path / "r.zarr").reductions["0.output"]["max"],
+                                   then[0].double(), rtol=0, atol=0)
+    else:  # storage_dtype changes nothing, or refuses the rows itself
+        with pytest.raises(CaptureError):
+            capture(storage_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("policy", [acs.ReductionPolicy.STORE_ALL, STREAMING], ids=["array", "reductions-only"])
+def test_a_resume_whose_first_call_is_integer_casts_it_as_the_store_holds_it(tmp_path, policy):
+    # a hook point the store holds as float16 (storage_dtype: its first call was floating-point)
+    # whose first call of the resume gives integers: a store of arrays cast them to float16, as
+    # its rows are; a store that keeps reductions only refused them (int64 rows, where it reduced
+    # float16 ones). Now both cast them, and refuse an integer float16 would change
+    path = tmp_path / "s.zarr"
+    model = torch.nn.Sequential(torch.nn.Identity())
+
+    def capture(xs, resume):
+        scope = acs.ActivationScope(store=str(path), reduction_policy=policy, reductions=["mean", "max"],
+                                    storage_dtype=torch.float16, store_options={"resume": resume})
+        with scope.track(model), torch.no_grad():
+            for x in xs:
+                model(x)
+
+    first, ints = torch.tensor([[1.5, -2.0, 3.25]]), torch.tensor([[3, 2048, -7]])
+    capture([first], False)
+    capture([ints], True)
+    want = torch.cat([first, ints.float()]).half()
+    store = open_store(path)
+    assert store.status == "complete" and store.n_samples == 2
+    if policy is STREAMING:
+        assert store.reduced["0.output"] == {"row_kind": "sample", "feature_shape": [3], "dtype": "float16", "n_rows": 2}
+    else:
+        got = store["0.output"][:]
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+    torch.testing.assert_close(store.reductions["0.output"]["mean"], want.double().mean(0))
+    torch.testing.assert_close(store.reductions["0.output"]["max"], want.double().max(0).values, rtol=0, atol=0)
+    # an integer float16 cannot hold is refused, naming why it is cast; the store kept as it was
+    with pytest.raises(CaptureError) as err:
+        capture([torch.tensor([[3, 2049, -7]])], True)
+    msg = str(err.value)
+    assert ("hook point '0.output' is torch.int64 and storage_dtype=torch.float16 changes its integers (2049 would be "
+            "stored as 2048") in msg, msg
+    held = ("the store it resumes (it keeps reductions only) reduced its rows as torch.float16" if policy is STREAMING
+            else "its store array holds torch.float16")
+    assert f"this one is cast because {held} (a store written by an earlier version, which cast integer hook " \
+           "points too, or one whose first call of the hook point was floating-point)" in msg, msg
+    store = open_store(path)
+    assert store.n_samples == 2
+    torch.testing.assert_close(store.reductions["0.output"]["max"], want.double().max(0).values, rtol=0, atol=0)
+
+
+def test_a_new_store_whose_capture_committed_no_row_is_removed(tmp_path):
+    # a capture that failed before any row was committed removes the new store it made: one that
+    # keeps reductions only was left in place, with a RuntimeWarning that its removal failed (the
+    # removal counted its hook points' rows, which such a store refuses to read)
+    import warnings
+
+    path = tmp_path / "r.zarr"
+    model = torch.nn.Sequential(_EmptyFirst(torch.empty(0, 5)))
+    scope = acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(CaptureError, match=r"returned an empty batch at its first call"), scope.track(model), \
+                torch.no_grad():
+            model(torch.zeros(0, 3))  # (recorded: no sample, the hook point listed with 0 rows reduced)
+            model(torch.ones(2, 3))
+    assert not path.exists()
+    # one that reduced rows is kept
+    model = torch.nn.Sequential(_EmptyFirst(torch.empty(0, 3)))
+    with pytest.raises(RuntimeError, match="stop"), \
+            acs.ActivationScope(store=str(path), reduction_policy=STREAMING, reductions=["mean"]).track(model), \
+            torch.no_grad():
+        model(torch.zeros(0, 3))
+        model(torch.ones(2, 3))
+        raise RuntimeError("stop")
+    assert open_store(path).reduced["0.output"]["n_rows"] == 2
+
+
 def test_a_feature_shape_change_is_refused_also_by_a_whole_tensor_reduction(tmp_path):
     # a per_feature=0 reduction takes rows of any feature shape: the store, which records one
     # feature shape per hook point, refuses the change before the rows are reduced

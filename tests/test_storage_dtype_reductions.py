@@ -528,3 +528,21 @@ def test_an_integer_hook_point_refused_in_a_store_keeps_its_rows_and_the_store_r
         model(torch.tensor([[2, 258]]))
     s = open_store(path)
     assert s.status == "complete" and s["0.output"][:].tolist() == [[1, 257], [2, 258]]
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_integer_rows_after_a_floating_point_empty_first_batch_name_that_first_call(tmp_path, store):
+    # an empty float32 first call made the hook point floating-point (cast to storage_dtype): the
+    # refusal of an integer the cast would change said that a store written by an earlier version
+    # held it cast, in a new store and in memory too
+    model = torch.nn.Sequential(_Echo())
+    kwargs = {"store": tmp_path / "s.zarr"} if store else {}
+    with pytest.raises(CaptureError) as err, torch.no_grad(), \
+            ActivationScope(storage_dtype=torch.bfloat16, **kwargs).track(model):
+        model(torch.empty(0, 2))
+        model(torch.tensor([[3, 256]]))
+        model(torch.tensor([[3, 257]]))
+    msg = str(err.value)
+    assert "257 would be stored as 256" in msg
+    assert "this one is cast because its first call was torch.float32 and a hook point's rows have one dtype" in msg
+    assert "earlier version" not in msg, msg

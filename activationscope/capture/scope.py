@@ -344,10 +344,12 @@ class ActivationScope:
         ``store[hook_point]``). A cast
         that turns a finite value into inf raises :class:`CaptureError` naming the hook
         point, as does a complex hook point (the cast would drop its imaginary part). A resume
-        must use the store's ``storage_dtype``; an integer hook point that a store written by
-        an earlier version holds cast (its array is ``storage_dtype``) is cast again, and an
-        integer the cast would change (token id 257 in bfloat16, which holds every integer
-        only up to 256) raises :class:`CaptureError`.
+        must use the store's ``storage_dtype``; a hook point the store holds cast (its array,
+        or in a store that keeps reductions only the rows it reduced, is ``storage_dtype``: its
+        first call was floating-point, or an earlier version cast every hook point) is cast
+        again when the resume's first call gives integers, and an integer the cast would
+        change (token id 257 in bfloat16, which holds every integer only up to 256) raises
+        :class:`CaptureError`.
     capture_parameters : bool, default False
         Snapshot the model's parameters when the tracker attaches
         (``tracker.parameters``); anything but a bool (``"False"``) raises ArgumentTypeError.
@@ -2706,8 +2708,9 @@ class Tracker:
         """The dtype the rows of hook point ``name`` are cast to (None: kept as they are), from
         its first activation ``tensor``: ``storage_dtype`` for a floating-point one (a complex
         one is refused by :meth:`_check_dtype`); an integer or bool one keeps its dtype, except
-        where a resumed store holds it cast to ``storage_dtype`` (written by an earlier version,
-        which cast every hook point): cast again, so its array keeps one dtype (the native sink
+        where a resumed store holds it cast to ``storage_dtype`` (its array, or the rows a store
+        that keeps reductions only reduced: its first call was floating-point, or an earlier
+        version cast every hook point): cast again, so its rows keep one dtype (the native sink
         refuses an integer the cast would change)."""
         dtype = self.scope.storage_dtype
         if dtype is None or tensor.is_floating_point() or tensor.is_complex():

@@ -77,9 +77,10 @@ class ActivationWriter(Protocol):
         """Rows of ``hook_point`` committed before the writer opened (resume; 0 otherwise)."""
 
     def stored_dtype(self, hook_point: str) -> str | None:
-        """Optional: the dtype name of ``hook_point``'s array when the writer opened (resume), or
-        None. A resume casts an integer hook point stored as ``storage_dtype`` (an earlier
-        version cast every hook point) again; a writer without it keeps integers uncast."""
+        """Optional: the dtype name of ``hook_point``'s array when the writer opened (resume; a
+        writer that keeps reductions only: of the rows it reduced), or None. A resume casts an
+        integer hook point stored as ``storage_dtype`` (its first call was floating-point, or an
+        earlier version cast every hook point) again; a writer without it keeps integers uncast."""
 
     def stored_reduction_state(self, hook_point: str, name: str, kind: str, options: Any = None, *,
                                script: Any = ...) -> Any:

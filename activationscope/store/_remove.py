@@ -14,7 +14,7 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
     """Remove the store at ``target`` if it is an activationscope store with no committed row.
 
     A store qualifies when it opens, ``n_samples == 0`` and every hook point has 0 committed
-    rows. Everything is removed under the store's writer lock (a store being written by
+    rows (in a store that keeps reductions only, 0 rows reduced). Everything is removed under the store's writer lock (a store being written by
     someone else is left alone), a local store's root document first (a removal cut short
     leaves entries of a store with no root document, which a writer with ``overwrite=True``
     replaces); anything that is not such a store is never touched.
@@ -61,7 +61,10 @@ def remove_if_empty(target: Any, *, remove_folder: bool = True, storage_options:
         except Exception:  # noqa: BLE001 - not a readable store: not ours to remove
             return False
         try:
-            if store.n_samples != 0 or any(store.n_rows(hp) for hp in store.hook_points):
+            # (a store that keeps reductions only has no row to count: the rows its hook points reduced)
+            rows = ((store.n_rows(hp) for hp in store.hook_points) if store.rows_stored
+                    else (int(e.get("n_rows", 0)) for e in store.reduced.values()))
+            if store.n_samples != 0 or any(rows):
                 return False
         finally:
             store.close()

@@ -1647,6 +1647,8 @@ class StoreWriter:
         # "n_rows"}} of the hook points whose rows were reduced (n_rows: those of committed forwards),
         # listed from the batch that records the forward each was first seen in
         self._reduced: dict[str, dict] = {hp: dict(e) for hp, e in (st.get("reduced") or {}).items()}
+        # (the dtype each stored one's rows were reduced as, when this writer opened: stored_dtype)
+        self._stored_reduced_dtypes: dict[str, Any] = {hp: e.get("dtype") for hp, e in self._reduced.items()}
         self._unrecorded_reduced: list[str] = []
         self._declared: set[str] = set()  # (open_reduced by this writer)
         # with set_reduction_source: where each commit takes the reductions' states from, the
@@ -1656,10 +1658,9 @@ class StoreWriter:
         self._state_write_s = 0.0  # (seconds the last commit took to write them: _due_interval)
         self._listed_commit_folders: set[str] = _commit_folders(st.get("reductions") or {})
         self._reduction_groups: set[str] = set()
-        # (row kind, column) -> Arrow type of a user column: one type per column of a store
+        # (row kind, column) -> Arrow type of a user column: one type per column of a store (a
+        # resume: those of each kind's first part, which _refuse_damaged_parts reads)
         self._column_types: dict[tuple[str, str], Any] = {}
-        if self._state is not None:
-            self._load_column_types()
         self._ids_seen: _SampleIds | None = None  # made with the first batch of given ids (see _check_ids)
         self._old_arrays: dict[str, dict] = dict(st.get("arrays") or {})
         self._warn_kept_compression()
@@ -1698,23 +1699,14 @@ class StoreWriter:
         table (one row per token of a large capture would be most of its bytes)."""
         return ("sample",) if self.reductions_only else ROW_KINDS
 
-    def _load_column_types(self) -> None:
-        """Types of the user columns already stored (resume): from each kind's first part."""
+    def _load_column_types(self, kind: str, schema: Any) -> None:
+        """Types of the user columns already stored (resume): from the Arrow ``schema`` of
+        ``kind``'s first part (read once, by :meth:`_refuse_damaged_parts`)."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        for kind, info in self._row_tables.items():
-            parts = info.get("parts") or []
-            raw = self._backend.get(parts[0]) if parts else None
-            if raw is None:
-                continue
-            try:
-                schema = pq.read_schema(pa.BufferReader(raw))
-            except Exception:  # an unreadable part: the reader reports it; nothing to compare with
-                continue
-            for f in schema:
-                if (f.name not in _RESERVED[kind] or f.name == "sample_id") and not pa.types.is_null(f.type):
-                    self._column_types[(kind, f.name)] = f.type
+        for f in schema:
+            if (f.name not in _RESERVED[kind] or f.name == "sample_id") and not pa.types.is_null(f.type):
+                self._column_types[(kind, f.name)] = f.type
 
     def _user_columns(self, columns: Mapping[str, Any], mask: torch.Tensor | None, n: int | None
                       ) -> list[tuple[str, str, Any, Any]]:
@@ -2069,6 +2061,8 @@ class StoreWriter:
         (it drops only unlisted ones, and recomputes none) and appends after them: it would mark
         the store complete on a table whose rows no reader returns. One part in memory at a time,
         and none decoded whose footer says more rows than ``n_rows`` leaves (Parquet allocates by it).
+        The schema of each kind's first part gives the types of its user columns
+        (:meth:`_load_column_types`): each part is read once.
 
         Raises
         ------
@@ -2089,7 +2083,7 @@ class StoreWriter:
         for kind, tbl in self._row_tables.items():
             crcs = tbl.get("crc32c") or {}
             total = 0
-            for key in tbl.get("parts", []):
+            for i, key in enumerate(tbl.get("parts", [])):
                 raw = b.get(key, max_bytes=V.MAX_FILE_BYTES)
                 if raw is None:  # (gone since _refuse_missing_parts looked: refused as missing)
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: its part {key!r}, listed in zarr.json, is "
@@ -2107,6 +2101,8 @@ class StoreWriter:
                 except Exception as e:  # noqa: BLE001 - any Parquet failure
                     raise V.corrupt(b, f"cannot resume: row table {kind!r}: part {key!r} is not a readable Parquet "
                                        f"file ({e}){end}", fix=fix) from None
+                if i == 0:
+                    self._load_column_types(kind, schema)
                 total += footer.num_rows
                 self._part_rows[key] = footer.num_rows  # (their sum checked against n_rows below)
                 if total > int(tbl.get("n_rows", 0)):  # (before its columns are decoded: allocated by that count)
@@ -4488,10 +4484,12 @@ class StoreWriter:
 
     def stored_dtype(self, hook_point: str) -> str | None:
         """The dtype name (``"bfloat16"``, ``"int64"``, ...) of the array that held
-        ``hook_point`` (or the target of its alias) when this writer opened; None for a hook
-        point the store did not hold (a new store: always None). A resume casts a stored
-        integer hook point whose array holds ``storage_dtype`` (written by an earlier version)
-        again, so the array keeps one dtype.
+        ``hook_point`` (or the target of its alias) when this writer opened, or in a store that
+        keeps reductions only the dtype of the rows it reduced (``reduced``, FORMAT.md section
+        11); None for a hook point the store did not hold (a new store: always None). A resume
+        casts a stored integer hook point whose rows are ``storage_dtype`` (its first call was
+        floating-point, or an earlier version cast every hook point) again, so its rows keep one
+        dtype.
 
         Parameters
         ----------
@@ -4499,7 +4497,9 @@ class StoreWriter:
             A hook point of this capture.
         """
         meta = self._old_arrays.get(self.aliases.get(hook_point, hook_point))
-        return None if meta is None else meta.get("dtype")
+        if meta is None:  # (a store that keeps reductions only has no array: the rows it reduced)
+            return self._stored_reduced_dtypes.get(hook_point)
+        return meta.get("dtype")
 
     def stored_row_kind(self, hook_point: str) -> str | None:
         """The row kind (``"sample"`` or ``"token"``) of the array that held ``hook_point``

@@ -339,3 +339,40 @@ def test_a_part_whose_footer_lies_about_its_row_counts_is_refused_before_it_is_d
     if lie != "too few":
         assert decoded == [], "a part whose footer lies was decoded"
     assert open_store(path).verify() != []  # (verify names the damage too)
+
+
+def test_a_resume_reads_each_row_table_part_once_and_keeps_its_column_types(tmp_path, monkeypatch):
+    """A resume read each row table's first part twice: once for the types of its user columns,
+    once for its check (crc32c, footer, required columns). Now once, the types still taken from
+    it: a resumed batch giving a column of another type is refused, and one of the stored type
+    is stored."""
+    from activationscope.errors import ArgumentTypeError
+    from activationscope.store._backend import LocalBackend
+
+    path = tmp_path / "s.zarr"
+    _store(path)
+    parts = [p for kind in ("sample", "token") for p in open_store(path).attrs["row_tables"][kind]["parts"]]
+    reads: dict[str, int] = {}
+    get = LocalBackend.get
+
+    def counted(self, key, *args, **kwargs):
+        reads[key] = reads.get(key, 0) + 1
+        return get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "get", counted)
+    w = StoreWriter(path, resume=True, **OPTIONS)
+    assert {p: reads.get(p, 0) for p in parts} == {p: 1 for p in parts}
+    monkeypatch.undo()
+    w.open_array("x", (4,), torch.float32, "sample").append(torch.randn(2, 4))
+    w.open_array("t", (4,), torch.float32, "token").append(torch.randn(5, 4))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ArgumentTypeError, match=r"column 'label' holds string values in this batch, but int64 in the "
+                                                r"earlier batches"):
+        w.add_batch(2, [4, 5], mask, {"label": ["a", "b"]})
+    with pytest.raises(ArgumentTypeError, match=r"column 'sample_id'|sample ids? .*int64"):
+        w.add_batch(2, ["e", "f"], mask, {"label": torch.tensor([7, 8])})
+    w.add_batch(2, [4, 5], mask, {"label": torch.tensor([7, 8])})
+    w.close()
+    s = open_store(path)
+    assert s.verify() == []
+    assert s.row_table("sample").column("label").to_pylist() == [0, 1, 1, 2, 7, 8]
