@@ -146,6 +146,22 @@ def test_two_ctrl_cs_as_the_store_of_no_row_is_removed_then_the_cell_again(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # (nothing left aside)
 
 
+@pytest.mark.parametrize("name", ["draft.tmp", ".DS_Store"])
+def test_a_folder_of_no_store_folder_is_not_taken_for_what_a_cut_short_removal_leaves(tmp_path, name):
+    # a folder holding a temporary file or file-manager clutter only (none of a store's folders:
+    # acts/, rows/, ...) was taken for what a store's removal cut short leaves: refused as
+    # "entries of a store ('draft.tmp') ... Pass overwrite=True", and overwrite=True then deleted
+    # the file. It holds no store: refused as such a folder, with overwrite=True too, the file kept
+    path = tmp_path / "out.zarr"
+    path.mkdir()
+    (path / name).write_text("mine")
+    for options in ({}, {"overwrite": True}):
+        with pytest.raises(acs.StoreExistsError, match=r"exists and is not empty but holds no Zarr store"):
+            _store_cell(toy_mlp(depth=1), torch.randn(1, 2, 16), path, **options)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr"]
+        assert (path / name).read_text() == "mine"
+
+
 def _interrupt_once(monkeypatch, owner, name, when):
     """Make ``owner.name`` raise KeyboardInterrupt the first time ``when(*args)`` holds."""
     real = getattr(owner, name)
