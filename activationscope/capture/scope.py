@@ -339,7 +339,8 @@ class ActivationScope:
         records and in the store. Which a hook point is, its first call decides: a later call
         of one whose first was integer or bool that gives a floating-point tensor raises
         :class:`CaptureError` naming both dtypes (its record would keep the uncast values; a
-        store refuses any change of a hook point's dtype). Records, stored rows and
+        store refuses any change of a hook point's dtype), unless the hook point keeps nothing
+        (``reduction_policy=STREAMING`` and no reduction applying to it). Records, stored rows and
         reductions are all the stored values (a reduction equals the float64 statistic of
         ``store[hook_point]``). A cast
         that turns a finite value into inf raises :class:`CaptureError` naming the hook
@@ -2440,10 +2441,6 @@ class Tracker:
             row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
-        if cast is None and scope.storage_dtype is not None:
-            # an integer or bool hook point, not cast: a later floating-point call is refused (its
-            # record and reductions would not be storage_dtype's)
-            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if self._red_factories is not None:
             names, objects = [], []
             resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
@@ -2468,6 +2465,11 @@ class Tracker:
                 sink.set_keep_forward_start(True)
             if any(str(r.kind) in ("script", "eager") for r in objects):
                 self._half_pending.add(name)
+        if cast is None and scope.storage_dtype is not None and (keep != 2 or self._reduction_names.get(name)):
+            # an integer or bool hook point, not cast: a later floating-point call is refused (its
+            # record and reductions would not be storage_dtype's; one that keeps no record, under
+            # reduction_policy=STREAMING, and that no reduction applies to keeps nothing of it)
+            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
             if ambiguous == "head-first":
                 self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once
