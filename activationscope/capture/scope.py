@@ -1943,7 +1943,9 @@ class Tracker:
         committed, with the status the close began with), and the KeyboardInterrupt goes on
         (``raise_finished=False``: not once that second try finished the close, for a close
         after the body raised, whose exception goes on). A Ctrl-C during that second try leaves
-        the close to the abort that follows (the store at its last commit), as before."""
+        the close to the abort that follows (the store at its last commit), as before; an error
+        of that try (a full disk) is raised, as a close that fails raises it (the Ctrl-C its
+        context), never left unsaid behind the KeyboardInterrupt."""
         try:
             self.writer.close(status=status)
         except KeyboardInterrupt:
@@ -1951,7 +1953,7 @@ class Tracker:
                 raise
             try:
                 self.writer.close(status=status)
-            except BaseException:  # noqa: BLE001 - the first Ctrl-C stays the one raised
+            except KeyboardInterrupt:  # the first Ctrl-C stays the one raised
                 raise_finished = True
             if raise_finished:
                 raise
