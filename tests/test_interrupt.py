@@ -146,6 +146,22 @@ def test_two_ctrl_cs_as_the_store_of_no_row_is_removed_then_the_cell_again(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]  # (nothing left aside)
 
 
+@pytest.mark.parametrize("name", ["draft.tmp", ".DS_Store"])
+def test_a_folder_of_no_store_folder_is_not_taken_for_what_a_cut_short_removal_leaves(tmp_path, name):
+    # a folder holding a temporary file or file-manager clutter only (none of a store's folders:
+    # acts/, rows/, ...) was taken for what a store's removal cut short leaves: refused as
+    # "entries of a store ('draft.tmp') ... Pass overwrite=True", and overwrite=True then deleted
+    # the file. It holds no store: refused as such a folder, with overwrite=True too, the file kept
+    path = tmp_path / "out.zarr"
+    path.mkdir()
+    (path / name).write_text("mine")
+    for options in ({}, {"overwrite": True}):
+        with pytest.raises(acs.StoreExistsError, match=r"exists and is not empty but holds no Zarr store"):
+            _store_cell(toy_mlp(depth=1), torch.randn(1, 2, 16), path, **options)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr"]
+        assert (path / name).read_text() == "mine"
+
+
 def _interrupt_once(monkeypatch, owner, name, when):
     """Make ``owner.name`` raise KeyboardInterrupt the first time ``when(*args)`` holds."""
     real = getattr(owner, name)
@@ -1159,6 +1175,42 @@ def test_ctrl_c_in_the_commit_of_a_with_blocks_close_keeps_every_row(tmp_path, m
     store = acs.open_store(path)
     assert store.status == "complete" and torch.equal(store["1.output"], want)
     assert store.row_table("sample")["sample_id"].to_pylist() == list(range(6))
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["ended", "raised"])
+def test_a_with_blocks_close_failing_as_the_tracker_finishes_it_after_a_ctrl_c_says_why(tmp_path, monkeypatch,
+                                                                                         stop):
+    # a Ctrl-C cut short the commit of the store's close as the `with` block ended, and the
+    # tracker's second try at that close failed (a full disk): the KeyboardInterrupt went on
+    # alone, the failure said nowhere, as if the close had been finished with every forward. Now
+    # that failure is raised, as a close that fails raises it (the body raised: named in the
+    # warning that the store could not be fully committed)
+    from activationscope.errors import StoreError
+    from activationscope.store import writer as W
+
+    model = toy_mlp(depth=1)
+    xs = torch.randn(3, 2, 16)
+    real, n = W.StoreWriter._commit_now, []
+
+    def failing(self, *args, **kwargs):
+        if self._closed and len(n) < 2:
+            n.append(True)
+            if len(n) == 1:
+                raise KeyboardInterrupt("commit")
+            raise StoreError("writing 'zarr.json' failed: No space left on device (ENOSPC)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(W.StoreWriter, "_commit_now", failing)
+    path = tmp_path / "s.zarr"
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(BaseException) as err:
+        warnings.simplefilter("always")
+        _store_cell(model, xs, path, stop or None)
+    assert isinstance(err.value, KeyboardInterrupt if stop else StoreError), repr(err.value)
+    assert len(n) == 2 and not _wrapped(model)
+    said = str(err.value) + " ".join(str(w.message) for w in caught if "fully committed" in str(w.message))
+    assert "No space left on device" in said, said
+    _store_cell(model, xs, path, **({"resume": True} if path.exists() else {}))
+    assert acs.open_store(path).status == "complete" and acs.open_store(path).n_samples == 6
 
 
 def test_ctrl_c_again_as_a_with_blocks_close_is_finished_leaves_the_last_commit(tmp_path, monkeypatch):

@@ -495,8 +495,11 @@ def test_reductions_of_a_killed_capture_say_to_resume_it(tmp_path):
     assert "no capture is writing it: its capture stopped before it closed" in message
     assert "resume=True with the reductions= it was captured with" in message
     assert "store.refresh() sees them" not in message
-    # the Python spelling (ActivationScope itself has no resume=) and the command line's
-    assert "ActivationScope(store_options={'resume': True}, reductions=...)" in message, message
+    # the Python spelling (ActivationScope itself has no resume=, and store_options needs store=: the
+    # call without it was refused, "store_options={'resume': True} needs store=") and the command line's
+    assert f"ActivationScope(store={opened.path!r}, store_options={{'resume': True}}, reductions=...)" in message, \
+        message
+    assert opened.path == str(path)
     assert "capture --resume --reduce" in message, message
     # ... and following it gives the reductions over every stored row
     torch.manual_seed(0)

@@ -499,6 +499,32 @@ def test_an_integer_hook_point_turning_floating_point_in_memory_is_refused_not_k
         assert tr.reductions["0.output"]["mean"].tolist() == ints.double()[0].tolist()
 
 
+class _Floats(torch.nn.Module):
+    def forward(self, x):
+        return x.float() * 2
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+def test_an_integer_hook_point_turning_floating_point_that_keeps_nothing_is_not_refused(tmp_path, where):
+    # a hook point whose calls are kept nowhere (reduction_policy=STREAMING keeps no record, in
+    # memory or in a store of reductions only, and no reduction applies to it) was refused at its
+    # first floating-point call after integer ones, as if its record and reductions kept the
+    # values uncast: the capture of the hook points that are reduced failed for it
+    from activationscope import ReductionPolicy
+
+    model = torch.nn.Sequential(_Echo(), _Floats())
+    store = {"store": tmp_path / "s.zarr"} if where == "store" else {}
+    scope = ActivationScope(storage_dtype=torch.float16, reduction_policy=ReductionPolicy.STREAMING,
+                            reductions={"1.output": ["mean"]}, **store)
+    ints, floats = torch.tensor([[1, 0, 3]]), torch.tensor([[1.5, 2.25, 3.0]])
+    with torch.no_grad(), scope.track(model) as tr:
+        model(ints)
+        model(floats)
+    means = open_store(store["store"]).reductions if store else tr.reductions
+    want = (torch.cat([ints, floats]).float() * 2).half().double().mean(0)
+    assert means["1.output"]["mean"].tolist() == want.tolist()
+
+
 def test_an_integer_hook_point_stays_as_it_is_in_memory_without_storage_dtype_or_with_integer_calls_only():
     # what the refusal above leaves alone: no storage_dtype (each record its own dtype), and an
     # integer hook point whose every call is integer under storage_dtype

@@ -339,7 +339,8 @@ class ActivationScope:
         records and in the store. Which a hook point is, its first call decides: a later call
         of one whose first was integer or bool that gives a floating-point tensor raises
         :class:`CaptureError` naming both dtypes (its record would keep the uncast values; a
-        store refuses any change of a hook point's dtype). Records, stored rows and
+        store refuses any change of a hook point's dtype), unless the hook point keeps nothing
+        (``reduction_policy=STREAMING`` and no reduction applying to it). Records, stored rows and
         reductions are all the stored values (a reduction equals the float64 statistic of
         ``store[hook_point]``). A cast
         that turns a finite value into inf raises :class:`CaptureError` naming the hook
@@ -1944,7 +1945,9 @@ class Tracker:
         committed, with the status the close began with), and the KeyboardInterrupt goes on
         (``raise_finished=False``: not once that second try finished the close, for a close
         after the body raised, whose exception goes on). A Ctrl-C during that second try leaves
-        the close to the abort that follows (the store at its last commit), as before."""
+        the close to the abort that follows (the store at its last commit), as before; an error
+        of that try (a full disk) is raised, as a close that fails raises it (the Ctrl-C its
+        context), never left unsaid behind the KeyboardInterrupt."""
         try:
             self.writer.close(status=status)
         except KeyboardInterrupt:
@@ -1952,7 +1955,7 @@ class Tracker:
                 raise
             try:
                 self.writer.close(status=status)
-            except BaseException:  # noqa: BLE001 - the first Ctrl-C stays the one raised
+            except KeyboardInterrupt:  # the first Ctrl-C stays the one raised
                 raise_finished = True
             if raise_finished:
                 raise
@@ -2442,10 +2445,6 @@ class Tracker:
             row_kind=1 if token else (0 if decided is False or batchless else -1),
             module=self._module_of(name),  # named by the native layout check of later calls
         )
-        if cast is None and scope.storage_dtype is not None:
-            # an integer or bool hook point, not cast: a later floating-point call is refused (its
-            # record and reductions would not be storage_dtype's)
-            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if self._red_factories is not None:
             names, objects = [], []
             resolved = self._red_factories.resolve_reductions(scope.reductions, name, self._hook_names)
@@ -2470,6 +2469,11 @@ class Tracker:
                 sink.set_keep_forward_start(True)
             if any(str(r.kind) in ("script", "eager") for r in objects):
                 self._half_pending.add(name)
+        if cast is None and scope.storage_dtype is not None and (keep != 2 or self._reduction_names.get(name)):
+            # an integer or bool hook point, not cast: a later floating-point call is refused (its
+            # record and reductions would not be storage_dtype's; one that keeps no record, under
+            # reduction_policy=STREAMING, and that no reduction applies to keeps nothing of it)
+            sink.set_uncast_storage_dtype(scope.storage_dtype, tensor.dtype)
         if ambiguous is not None and (self.writer is not None or self._reduction_names.get(name)):
             if ambiguous == "head-first":
                 self._head_first_found[name] = tuple(tensor.shape)  # warned at the forward's end, all at once

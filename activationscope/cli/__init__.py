@@ -599,9 +599,11 @@ def _cli_spelling(message: str, command: str | None = None, include_given: bool 
     if command in ("capture", "export", "copy"):  # the commands with an --overwrite flag
         for python in ("overwrite=True (CLI: --overwrite)", "overwrite=True (--overwrite)"):
             message = message.replace(python, "--overwrite")
-        # (not inside a Python call the message names: "StoreWriter(..., overwrite=True)", "store_options
-        # overwrite=True" of a rank store)
-        message = re.sub(r"(?<!\.\.\., )(?<!store_options )\boverwrite=True\b", "--overwrite", message)
+        # (not inside a Python call the message names: "StoreWriter(..., overwrite=True)" or
+        # "StoreWriter('runs/x.zarr', overwrite=True).abort()", "store_options overwrite=True" of a rank store)
+        message = re.sub(rf"StoreWriter\((?:{_REPR}|\.\.\.), overwrite=True\)|(?<!\.\.\., )(?<!store_options )"
+                         r"\boverwrite=True\b", lambda m: m[0] if m[0].startswith("StoreWriter(") else "--overwrite",
+                         message)
         message = re.sub(r"\((overwrite) (does not allow|replaces)\b", r"(--\1 \2", message)
     if command == "capture":  # (a store writer's error: "... and resume=True continues from them")
         message = re.sub(r"(?<!\.\.\., )(?<!store_options )\bresume=True\b", "--resume", message)

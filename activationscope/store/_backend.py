@@ -755,7 +755,8 @@ class LocalBackend:
         included: the root, or the rest of a store, may be there): what a removal of the store
         cut short leaves (its root document gone, e.g. a Ctrl-C while a capture that committed
         no row removed its store), which nothing reads as a store. Sorted; empty when the folder is not such a one
-        (a root document there, an entry of another kind, or nothing but the lock)."""
+        (a root document there, an entry of another kind, none of a store's folders: temporary files or clutter
+        alone, which are no store's, or nothing but the lock)."""
         try:
             if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
                 return []
@@ -769,6 +770,8 @@ class LocalBackend:
                     return []
                 if (p.name in _STORE_FOLDERS) != p.is_dir() or not (p.is_dir() or p.is_file()):
                     return []
+            if not any(p.name in _STORE_FOLDERS for p in entries):  # (a draft.tmp or .DS_Store alone: a folder of
+                return []  # the user's, whose files overwrite=True would delete)
             return sorted(p.name for p in entries)
         except OSError:
             return []

@@ -433,6 +433,8 @@ class _Reductions(Mapping):
     def __getitem__(self, hook_point: str) -> dict[str, torch.Tensor]:
         entries = self._store._complete_reductions().get(hook_point)
         if entries is None:
+            # (the resume in Python: store_options needs store=, refused without it)
+            resume = f"ActivationScope(store={self._store.path!r}, store_options={{'resume': True}}, reductions=...)"
             partial = self._store.partial_reductions.get(hook_point)
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")
@@ -442,8 +444,8 @@ class _Reductions(Mapping):
                 why = (f"; its reductions {beyond} cover {covered} rows, more than the {stored} it stores: rows "
                        "captured but never committed (the capture failed while it closed, e.g. on a full disk), so "
                        "they are not the stored rows' (see store.partial_reductions); resume=True with the same "
-                       "reductions= (ActivationScope(store_options={'resume': True}, reductions=...); command "
-                       "line: capture --resume --reduce ...) computes them again over the stored rows")
+                       f"reductions= ({resume}; command line: capture --resume --reduce ...) computes them again "
+                       "over the stored rows")
             if not partial and self._store.status != "complete":
                 why = (f" (yet: the store is {self._store.status!r} as this handle last read it, and a capture writes "
                        "its reductions when it closes; store.refresh() sees them once it has)")
@@ -452,8 +454,8 @@ class _Reductions(Mapping):
                     why = (" (the store is 'incomplete' and no capture is writing it: its capture stopped before "
                            "it closed, killed or crashed, and a capture writes its reductions when it closes, so "
                            "they were never written; resume it, resume=True with the reductions= it was captured "
-                           "with (ActivationScope(store_options={'resume': True}, reductions=...); command line: "
-                           "capture --resume --reduce ...), to compute them over every stored row)")
+                           f"with ({resume}; command line: capture --resume --reduce ...), to compute them over "
+                           "every stored row)")
             raise HookPointNotFoundError(
                 f"hook point {name_repr(hook_point)} has no reductions in this store{why}; "
                 f"hook points with reductions: {names_repr(self)}"

@@ -409,6 +409,8 @@ def test_reductions_over_more_rows_than_a_failed_close_committed_say_so(tmp_path
     msg = str(e.value)
     assert f"cover {N * B + 2 * B} rows, more than the {N * B} it stores" in msg, msg
     assert "only part of its rows" not in msg and "resume=True with the same reductions=" in msg, msg
+    # the Python call it gives names the store (store_options without store= is refused)
+    assert f"(ActivationScope(store={str(path)!r}, store_options={{'resume': True}}, reductions=...)" in msg, msg
 
 
 def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):

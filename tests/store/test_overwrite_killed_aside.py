@@ -471,6 +471,22 @@ def test_a_new_store_on_an_unstarted_store_names_the_old_store_aside_and_its_put
     assert torch.equal(open_store(path)[HP], data)
 
 
+def test_the_command_line_keeps_the_python_call_of_the_put_back_of_an_unstarted_store(tmp_path):
+    # the command line spells the library's overwrite=True as --overwrite: in the refusal above
+    # (`activationscope capture` with neither flag) the put-back it gives read
+    # "StoreWriter('.../s.zarr', --overwrite).abort()", which is no Python
+    from activationscope.cli import _cli_spelling
+
+    path = tmp_path / "s.zarr"
+    make_store(path, n_rows=96)
+    _kill(path, "first-root", 0)
+    with pytest.raises(StoreExistsError) as err:
+        StoreWriter(path)
+    line = _cli_spelling(str(err.value), "capture")
+    assert f"StoreWriter({str(path)!r}, overwrite=True).abort()" in line, line
+    assert "(or capture with --overwrite: it deletes that store" in line, line
+
+
 def test_an_unstarted_store_is_not_removed_when_two_folders_aside_hold_a_store(tmp_path):
     """Which old store the unstarted one replaced cannot be told: it is moved aside as any store
     (nothing removed), and the folders are named in the warning as before."""
