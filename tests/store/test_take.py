@@ -231,3 +231,31 @@ def test_rows_of_an_uncommitted_multi_rank_store(tmp_path):
     assert rows.shape == (30, 6)
     for idx in _batches(30):
         assert _same(st.take("0.output", idx), rows[idx]), idx
+
+
+def test_threads_taking_batches_at_once(tmp_path):
+    """Threads reading shuffled batches of one store at once, with a cache of a few chunks
+    (each decode evicts chunks other threads hold): every batch equals torch indexing."""
+    import threading
+
+    t = _data((300, 16), torch.bfloat16)
+    _write(tmp_path / "s.zarr", t, batch=50, compression="zstd", chunk_rows=8, shard_rows=32)
+    st = open_store(tmp_path / "s.zarr", cache_bytes=6 * 8 * 16 * 2)  # (6 chunks; groups of 3)
+    wrong, failed = [], []
+
+    def read(seed):
+        try:
+            g = np.random.default_rng(seed)
+            for _ in range(30):
+                idx = g.integers(0, 300, size=int(g.integers(1, 40))).tolist()
+                if not _same(st.take("x", idx), t[idx]):
+                    wrong.append(idx)
+        except BaseException as e:  # (raised in a thread: reported by the test)
+            failed.append(e)
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failed and not wrong
