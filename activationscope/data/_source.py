@@ -10,7 +10,8 @@ few reads as possible:
   one copy across segments. Compressed and remote arrays are read through the store, which
   decodes chunk by chunk through zarr-python with its bounded chunk cache.
 - ``take(hp, index)``: rows at arbitrary positions: one ``torch.index_select`` per segment
-  touched, written into one output tensor.
+  touched, written into one output tensor; of decoded chunks, the store's ``take`` (each row
+  copied once out of the store's cached decoded chunks, no chunk copied whole).
 
 What a source needs from a store is the :class:`RowSource` protocol: the store decides its
 segments (``row_blocks``: mapped shards, kept as views, or chunks decoded per read), this
@@ -50,7 +51,10 @@ class RowSource(Protocol):
     A store without it is taken as never changing. And an ``on_unmap(callback)`` method
     (``Store.on_unmap``): the store calls ``callback()`` when it drops mappings from its
     cache, and the source then drops the segment views it keeps, which would hold those
-    mappings alive (the process has a limited number of them).
+    mappings alive (the process has a limited number of them). And a ``take(hook_point,
+    rows)`` method (``Store.take``): the rows at store positions ``rows`` (int64 (k,)) of a
+    hook point whose row blocks are not views, a new tensor; a store without it has each
+    block a batch touches read whole (``rows``) and the batch's rows picked from it.
     """
 
     @property
@@ -579,12 +583,18 @@ class StoreSource:
         return gather, bl, segs, (seg_lists, seen), self._hint(self._hints, hp, bl[-1])
 
     def take(self, hp: str, index: torch.Tensor) -> torch.Tensor:
-        """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor (one gather per segment touched)."""
+        """Rows at ``index`` (int64, (k,)) of ``hp``: a new tensor. Of decoded chunks, the store's
+        ``take`` where it has one (only those rows copied out of its cached chunks), else one
+        gather per segment touched."""
         layout = self._layout(hp)
         bounds, _memo, _memoize, bl = layout
         if index.numel() == 0:
             return torch.empty((0, *self.feature_shape(hp)), dtype=self.dtype(hp))
         index = index.contiguous()  # (a strided view of the caller's index: searchsorted warns on it)
+        if not _memoize:
+            take = getattr(self.store, "take", None)
+            if callable(take):  # decoded chunks: the rows copied out of the store's cached chunks, not each chunk whole
+                return take(hp, index)
         if not _memoize and index.numel() > 1:  # decoded chunks (object storage): asked for at once, not one by one
             prefetch = getattr(self.store, "prefetch", None)
             if prefetch is not None:

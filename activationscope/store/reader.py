@@ -534,6 +534,107 @@ class _ChunkCrcs:
         return got
 
 
+def _take_positions(hook_point: str, rows: Any, n: int) -> torch.Tensor:
+    """``rows`` of :meth:`Store.take` as store rows: int64 (k,) CPU, each in ``[0, n)``."""
+    what = f"take({hook_point!r}, rows)"
+    if isinstance(rows, torch.Tensor):
+        if rows.device.type == "meta":
+            raise ArgumentValueError(f"{what}: rows is a tensor on the meta device, which holds no values; pass "
+                                     "the positions as a CPU (or any other device's) integer tensor")
+        if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+            raise ArgumentTypeError(f"{what}: rows must be a 1-D integer tensor of store positions, got a "
+                                    f"{rows.dim()}-D {rows.dtype} tensor; rows.long() for positions")
+        rows = rows.detach().cpu()
+        if rows.dtype in (torch.uint32, torch.uint64):  # (values past int64 are out of range, never wrapped round)
+            rows = rows.numpy()
+    if isinstance(rows, np.ndarray):
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"{what}: rows must be a 1-D integer array of store positions, got a "
+                                    f"{rows.ndim}-D {rows.dtype} array")
+        if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= n:
+            raise RowIndexError(f"{what}: row {int(rows[rows >= n][0])} out of range for hook point {hook_point!r} "
+                                f"with {n} rows; rows must be store positions in [0, {n})")
+        rows = torch.from_numpy(rows.astype(np.int64))
+    elif isinstance(rows, (list, tuple, range)):
+        if type(rows) is not range and any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+                                           for v in rows):
+            bad = next(v for v in rows if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)))
+            raise ArgumentTypeError(f"{what}: rows must hold ints (store positions), got {bad!r} among them")
+        try:
+            rows = torch.tensor(list(rows), dtype=torch.int64)
+        except (RuntimeError, OverflowError, ValueError):  # (an int beyond int64)
+            big = next(int(v) for v in rows if not -2**63 <= int(v) < 2**63)
+            raise RowIndexError(f"{what}: row {big} out of range for hook point {hook_point!r} with {n} rows; "
+                                f"rows must be store positions in [0, {n})") from None
+    elif not isinstance(rows, torch.Tensor):
+        raise ArgumentTypeError(f"{what}: rows must be a 1-D integer tensor or array, or a list, tuple or range "
+                                f"of ints (store positions), got {type(rows).__name__}")
+    idx = rows.to(torch.int64).contiguous()
+    if idx.numel():
+        bad = (idx < 0) | (idx >= n)
+        if bool(bad.any()):
+            raise RowIndexError(f"{what}: row {int(idx[bad][0])} out of range for hook point {hook_point!r} with {n} "
+                                f"rows; rows must be store positions in [0, {n}) (none negative)")
+    return idx
+
+
+def _word_rows(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``t`` ((rows, ...), rows > 0, rows of > 0 bytes) as (rows, words) of the
+    widest of int64, int32, int16 and uint8 whose size divides a row's bytes, the same
+    memory: rows of any dtype are copied by their bits (torch has no index_put kernel for
+    uint16 / uint32 / uint64), in words (``index_copy_`` of 1 KiB rows as bytes takes about
+    six times as long as in int64 words)."""
+    row_bytes = t[0].numel() * t.element_size()  # (rows start at whole rows of their storage: aligned alike)
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
+    return t.view(-1).view(torch.uint8).view(word).view(t.shape[0], -1)
+
+
+def _put_rows(out: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[pos] = rows`` (``pos`` int64 (k,), ``rows`` (k, ...) of ``out``'s dtype and row shape)."""
+    _word_rows(out).index_copy_(0, pos, _word_rows(rows))
+
+
+_GATHER: list[Any] = []
+
+
+def _native_gather() -> Any:
+    """The native ``gather_rows`` (None without a working extension: rows are copied by torch)."""
+    if not _GATHER:
+        mod = _native.optional()
+        _GATHER.append(getattr(mod, "gather_rows", None) if mod is not None else None)
+    return _GATHER[0]
+
+
+def _gather_into(out: torch.Tensor, idx: torch.Tensor, units: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Copy store rows ``idx`` (int64 (k,), k > 0) into ``out`` ((k, *feature), contiguous), in
+    that order, each row once, from ``units``: ``(first row, end row, rows [first, end))``,
+    ascending and not overlapping, each a contiguous tensor of ``out``'s dtype and row shape
+    holding every row of ``idx`` in its range. One native pass (``_C.gather_rows`` over the
+    units as its segments, without the GIL) where the extension is built, else one
+    ``index_select`` per unit, by the rows' bytes."""
+    gather = _native_gather()
+    if gather is not None:
+        bounds: list[int] = []
+        segments: list[Any] = []
+        for lo, hi, t in units:
+            if bounds and bounds[-1] != lo:
+                segments.append(None)  # (rows between two units: none of idx is there)
+            if not bounds or bounds[-1] != lo:
+                bounds.append(lo)
+            segments.append(t)
+            bounds.append(hi)
+        if type(gather(idx, bounds[-1], 0, bounds, segments, False, out, None)) is tuple:
+            return
+    order = torch.argsort(idx)
+    ordered = idx[order]
+    ends = torch.searchsorted(ordered, torch.tensor([[lo, hi] for lo, hi, _ in units], dtype=torch.int64).view(-1))
+    ends_l = ends.tolist()
+    dst = _word_rows(out)
+    for (lo, _hi, t), a, b in zip(units, ends_l[0::2], ends_l[1::2]):
+        if a < b:
+            dst.index_copy_(0, order[a:b], _word_rows(t).index_select(0, ordered[a:b] - lo))
+
+
 def _no_rank_column(table: Any, st: Any, rank: int) -> None:
     """Refuse a rank store whose row table has a user column named ``rank``: the multi-rank
     view adds its own column of that name (a writer refuses such a column since)."""
@@ -1419,6 +1520,153 @@ class Store:
                 f"{start}:{stop}] reads a slice, clipped to the rows there are and counting negative positions from "
                 "the end")
         return self._read_rows(hook_point, start, stop)
+
+    def take(self, hook_point: str, rows: Any) -> torch.Tensor:
+        """Rows of a hook point at store positions ``rows``, in that order (a shuffled batch).
+
+        Of an array read by decoding chunks (compressed or remote), only the rows asked for
+        are copied out of the decoded chunks, each once, straight into the result (never a
+        whole chunk per batch): the chunks the rows lie in that the chunk cache does not hold
+        are decoded side by side, at most half the cache at a time, and checked as
+        :meth:`rows` checks them. Of a memory-mapped array, the rows are copied out of the
+        mapped shards.
+
+        Parameters
+        ----------
+        hook_point : str
+        rows : Tensor (rows,) integer, any device but meta; ndarray (rows,) integer; or list,
+            tuple or range of int
+            Store rows, in ``[0, n_rows)``, in any order, repeats allowed.
+
+        Returns
+        -------
+        Tensor, (rows, *feature_shape), the stored dtype, CPU
+            A new tensor (never a view of the store's memory or of its cache of decoded chunks).
+
+        Raises
+        ------
+        HookPointNotFoundError
+            ``hook_point`` is not in the store (a KeyError).
+        ArgumentTypeError
+            ``rows`` is not positions: a bool, float or 2-D tensor, a list holding anything
+            but ints (a bool included); a TypeError.
+        RowIndexError
+            A row outside ``[0, n_rows)`` (the first one named); an IndexError.
+        StoreCorruptError
+            A chunk or shard of those rows fails its checks (as :meth:`rows`).
+
+        Example
+        -------
+        >>> store.take("blocks.0.output", [17, 3, 99_000])        # doctest: +SKIP
+        """
+        n = self.n_rows(hook_point)
+        idx = _take_positions(hook_point, rows, n)
+        try:
+            return self._take_checked(hook_point, idx)
+        except StoreCorruptError:
+            self._check_same_store()  # a store replaced under this reader is not damage
+            raise
+
+    def _take_checked(self, hook_point: str, idx: torch.Tensor) -> torch.Tensor:
+        """:meth:`take` of checked store rows ``idx`` (int64, (k,), in range)."""
+        meta = self._meta(hook_point) if self._parts else self._checked_meta(hook_point)
+        feat, dtype = tuple(meta["feature_shape"]), F.torch_dtype(meta["dtype"])
+        if idx.numel() == 0 or V.row_bytes(meta) == 0:
+            return torch.empty((idx.numel(), *feat), dtype=dtype)
+        if self._parts:  # an uncommitted multi-rank store: each rank store's rows from it
+            out = torch.empty((idx.numel(), *feat), dtype=dtype)
+            for _, st, first in self._parts.get(hook_point, []):
+                pos = ((idx >= first) & (idx < first + st.n_rows(hook_point))).nonzero().squeeze(1)
+                if pos.numel():
+                    _put_rows(out, pos, st._take_checked(hook_point, idx[pos] - first))
+            return out
+        if self._mappable(meta):
+            bl = self.segments(hook_point)
+            seg = (torch.searchsorted(torch.tensor(bl, dtype=torch.int64), idx, right=True) - 1).unique().tolist()
+            if all(self._span_is_view(hook_point, bl[s], bl[s + 1]) for s in seg):
+                out = torch.empty((idx.numel(), *feat), dtype=dtype)
+                _gather_into(out, idx, [(bl[s], bl[s + 1], self._read_rows(hook_point, bl[s], bl[s + 1])) for s in seg])
+                return out
+        return self._take_decoded(hook_point, meta, idx)
+
+    def _take_decoded(self, hook_point: str, meta: dict, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (int64, (k,), in range, k > 0) of an array read by decoding chunks:
+        one new tensor, each row copied once out of its decoded chunk (held, from the chunk
+        cache or decoded for this read, until its rows are copied: a chunk evicted meanwhile is
+        still read whole). The chunks are taken in store order, at most half the cache at a time
+        (at least one): the rows of each such group of chunks are gathered together, in store
+        order, and then put in the batch's order."""
+        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
+            with self._lock:
+                self._inflight.clear()
+                self._pid = os.getpid()
+        feat, dtype = tuple(meta["feature_shape"]), F.torch_dtype(meta["dtype"])
+        _row_bytes, chunk_rows, shard_chunks, per_chunk = _layout(meta)
+        n = int(meta["n_rows"])
+        chunks = torch.unique(idx // chunk_rows).tolist()  # ascending
+        # Every shard of the read exists with a valid index, every chunk of it read present
+        # and inside its file, before the result is allocated: the last one first (a raised
+        # n_rows names a shard that is not there), as a read of a span checks them
+        by_shard: dict[int, list[int]] = {}
+        for c in chunks:
+            by_shard.setdefault(c // shard_chunks, []).append(c)
+        shards = sorted(by_shard)
+        for k in itertools.chain(shards[-1:], shards[:-1]):
+            sidx = self._shard_index(meta, k)
+            for c in by_shard[k]:
+                sidx.check(c - k * shard_chunks, self._backend)
+        if not isinstance(self._backend, LocalBackend):  # object storage: the chunks in as few requests as may be
+            self.prefetch(hook_point, [c * chunk_rows for c in chunks])
+        out = torch.empty((idx.numel(), *feat), dtype=dtype)
+        group = max(1, (self._cache_bytes // 2) // max(1, per_chunk))
+        if len(chunks) <= group:  # every chunk of the read at once: its rows gathered in place
+            units = [(c * chunk_rows, min(n, (c + 1) * chunk_rows), t)
+                     for c, t in zip(chunks, self._decoded_chunks(hook_point, meta, chunks))]
+            _gather_into(out, idx, units)
+            return out
+        # else group after group: each group's rows (a run of the rows in store order) gathered
+        # into their place in store order, then the batch put in its order (one more gather)
+        order = torch.argsort(idx, stable=True)
+        ordered = idx[order]
+        in_order = torch.empty_like(out)
+        runs = []  # (first, end row of in_order, its rows): each group's
+        for g in range(0, len(chunks), group):
+            part = chunks[g:g + group]
+            units = [(c * chunk_rows, min(n, (c + 1) * chunk_rows), t)
+                     for c, t in zip(part, self._decoded_chunks(hook_point, meta, part))]
+            a, b = torch.searchsorted(ordered, torch.tensor([units[0][0], units[-1][1]])).tolist()
+            _gather_into(in_order[a:b], ordered[a:b], units)
+            runs.append((a, b, in_order[a:b]))
+            del units  # (the group's chunks let go before the next group's are decoded)
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel())  # row i of the batch is row where[i] in store order
+        # (from each group's rows as a unit of their own: the native gather copies rows of
+        # several units on the calling thread; of one, on torch's threads, which a busy core
+        # stalls for milliseconds)
+        _gather_into(out, where, runs)
+        return out
+
+    def _decoded_chunks(self, hook_point: str, meta: dict, chunks: list[int]) -> list[torch.Tensor]:
+        """The decoded chunks ``chunks`` (ascending) of an array read by decoding, the tensors
+        the cache holds (never written into): those it holds, and the others decoded side by
+        side (one decode per chunk however many readers: :meth:`_chunk_future`), on object
+        storage in one request per run of neighbours."""
+        mid = id(meta)
+        got: dict[int, torch.Tensor] = {}
+        with self._lock:
+            for c in chunks:
+                t = self._cache.get((hook_point, c, mid))
+                if t is not None:
+                    self._cache.move_to_end((hook_point, c, mid))
+                    got[c] = t
+            missing = [c for c in chunks if c not in got]
+            fetch = [c for c in missing if (hook_point, c, mid) not in self._inflight]
+        if missing:
+            runs = self._plan_runs(meta, fetch)
+            futures = [(c, self._chunk_future(hook_point, meta, c, _Run.future(runs, c))) for c in missing]
+            for c, fut in futures:
+                got[c] = fut.result()
+        return [got[c] for c in chunks]
 
     def will_read(self, hook_point: str, start: int, stop: int) -> tuple[int, int]:
         """Hint that rows ``[start, stop)`` of a hook point are read next (cold reads).
