@@ -829,6 +829,43 @@ def test_a_hook_point_turning_float64_is_given_the_dtype_flag(user_package, tmp_
     assert "storage_dtype" not in err, err
 
 
+@pytest.mark.parametrize("first,advice", [
+    # float16 first: --dtype makes the float32 rows fit
+    ("torch.float16", "pass --dtype to store every row as one dtype, or --exclude its module; "),
+    # int64 first: --dtype casts floating-point hook points only, so it is named as no fix
+    ("torch.int64", "or --exclude its module (--dtype casts floating-point hook points only, decided at their "
+                    "first call, which was torch.int64 here, so it does not make these rows fit)"),
+])
+def test_an_empty_first_batch_is_refused_with_the_commands_flags(user_package, tmp_path, capsys, first, advice):
+    # the refusal advised "pass storage_dtype= to store every row as one dtype"; the fix in the
+    # model's code (new_empty) stays as it is
+    x = user_package("emptynets", f"""
+        import torch
+
+        class EmptyFirst(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.fc = torch.nn.Linear(6, 6)
+                self.n = 0
+            def forward(self, x):
+                self.n += 1
+                y = self.fc(x)
+                return y[:0].to({first}) if self.n == 1 else y
+
+        def make():
+            return torch.nn.Sequential(EmptyFirst())
+    """, data=(16, 6, 0))
+    code, _, err = run(capsys, "capture", "--model", "emptynets.nets:make", "--data", str(x), "--out",
+                       str(tmp_path / "s.zarr"), "--no-progress", "--batch-size", "8")
+    assert code == 1
+    assert (f"hook point '0.output' returned an empty batch at its first call (rows of shape (6,), {first}), which "
+            "fixed its store array's row shape and dtype; its first rows are (6,), torch.float32, and would be "
+            f"stored cast to {first} or refused. Return an empty tensor of the rows' shape and dtype "
+            f"(x.new_empty((0, *rows.shape[1:]))), {advice}") in err, err
+    assert "storage_dtype" not in err and "exclude=" not in err, err
+
+
 @pytest.fixture
 def alike_module(user_package):
     """``alikenets.nets``: ``case()``, a ModuleDict of the keys 'Attn' and 'attn', and ``nfc()``,

@@ -523,6 +523,8 @@ _CLI_SPELLINGS = (
     ("leave one out (track(exclude=...) or ", "leave one out (--exclude its module or "),
     ("storage_dtype casts floating-point hook points only", "--dtype casts floating-point hook points only"),
     ("ass storage_dtype= to cast every row to one dtype", "ass --dtype to cast every row to one dtype"),
+    # sink.cpp: a hook point whose first call was an empty batch of another dtype than its rows
+    ("pass storage_dtype= to store every row as one dtype", "pass --dtype to store every row as one dtype"),
     ("pass a wider storage_dtype (torch.bfloat16 keeps float32's range, or torch.float32), or none",
      "pass a wider --dtype (bfloat16 keeps float32's range, or float32), or no --dtype"),
     ("resume with the same include=/exclude=/capture= as the first run",
