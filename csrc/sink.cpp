@@ -698,7 +698,7 @@ void Sink::consume(const at::Tensor& x_arg, const at::Tensor& token_mask) {
     const bool floats = at::isFloatingType(x.scalar_type()) && at::isFloatingType(*seen_dtype_);
     const bool autocast_like = floats && half(x.scalar_type()) != half(*seen_dtype_);
     // integer or bool rows of a hook point whose first call was floating-point: storage_dtype
-    // casts them too (an integer it cannot hold exactly is refused, check_integer_cast)
+    // casts them too (an integer it cannot hold exactly is refused, check_integers)
     const bool ints_of_floats = at::isFloatingType(*seen_dtype_) &&
                                 (at::isIntegralType(x.scalar_type(), /*includeBool=*/true));
     ACS_CHECK(false, "hook point '", name_, "' changed its dtype from ", dtype_name(*seen_dtype_), " to ",
