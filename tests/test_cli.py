@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -100,6 +101,50 @@ def test_unknown_command_or_choice_names_the_one_meant(capsys, argv, given, mean
     last = err.splitlines()[-1]
     assert f"invalid choice: {given!r}" in last
     assert last.endswith(f"(did you mean {meant!r}?)")
+
+
+def _check_value_of_python_3_13(self, action, value):
+    """argparse's check of a choice as Python 3.12.8 and 3.13.1 on write it: the choices
+    unquoted (``choose from demo, info, ...``)."""
+    if action.choices is not None and value not in action.choices:
+        raise argparse.ArgumentError(action, "invalid choice: %r (choose from %s)" % (
+            str(value), ", ".join(map(str, action.choices))))
+
+
+def _check_value_of_python_3_14(self, action, value):
+    """argparse's check of a choice as Python 3.14 writes it with its own guess
+    (``suggest_on_error``) on: ``invalid choice: 'inf', maybe you meant 'info'? (choose from ...)``."""
+    if action.choices is not None and value not in action.choices:
+        import difflib
+
+        close = difflib.get_close_matches(value, action.choices, 1) if getattr(self, "suggest_on_error", True) else []
+        maybe = f", maybe you meant {close[0]!r}?" if close else ""
+        raise argparse.ArgumentError(action, "invalid choice: %r%s (choose from %s)" % (
+            str(value), maybe, ", ".join(map(str, action.choices))))
+
+
+def _check_value_in_other_words(self, action, value):
+    if action.choices is not None and value not in action.choices:
+        raise argparse.ArgumentError(action, f"{value} is none of the choices")
+
+
+@pytest.mark.parametrize("check", [_check_value_of_python_3_13, _check_value_of_python_3_14,
+                                   _check_value_in_other_words])
+@pytest.mark.parametrize("argv,given,meant", [
+    (("inf", "x.zarr"), "inf", "info"),
+    (("inspect", "x.zarr"), "inspect", "info"),   # what other tools call it
+    (("export", "x.zarr", "--format", "parqet", "--out", "x.parquet"), "parqet", "parquet"),
+])
+def test_the_command_or_choice_meant_is_named_whatever_argparses_wording(capsys, monkeypatch, check, argv, given,
+                                                                          meant):
+    # the guess was read from argparse's message ("invalid choice: 'inf' (choose from 'demo', 'info', ...)"),
+    # which later Python versions word otherwise: it is the parser's own choices that give it
+    monkeypatch.setattr(argparse.ArgumentParser, "_check_value", check)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    last = err.splitlines()[-1]
+    assert given in last and last.endswith(f"(did you mean {meant!r}?)"), last
+    assert "maybe you meant" not in last, last   # (one guess said, not two)
 
 
 def test_unknown_command_far_from_any_gets_no_guess(capsys):

@@ -71,18 +71,16 @@ _COMMAND_SYNONYMS = {"inspect": "info", "show": "info", "ls": "info", "stat": "i
                      "merge": "consolidate", "convert": "export", "run": "capture", "record": "capture"}
 
 
-def _choice_meant(message: str) -> str | None:
-    """For argparse's ``argument X: invalid choice: 'inf' (choose from 'demo', 'info', ...)``, the
-    choice the invalid one is closest to (``'info'``), or the command it names in other tools'
-    words (``inspect``: ``'info'``); None when none is close."""
+def _choice_meant(action: argparse.Action, value: Any) -> str | None:
+    """For an invalid ``value`` of ``action`` (``inf`` of the command), the choice of its own
+    it is closest to (``'info'``), or the command it names in other tools' words (``inspect``:
+    ``'info'``); None when none is close. Taken from the parser's choices, not from argparse's
+    message, whose wording changes between Python versions."""
     import difflib
-    import re
 
-    m = re.match(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)$", message, re.S)
-    if m is None:
-        return None
-    given, choices = m.group(2), re.findall(r"'([^']*)'", m.group(3))
-    synonym = _COMMAND_SYNONYMS.get(given.lower()) if m.group(1) == "COMMAND" else None
+    choices = [c for c in action.choices or () if isinstance(c, str)]  # (a dict of subparsers: the names)
+    given = str(value)
+    synonym = _COMMAND_SYNONYMS.get(given.lower()) if isinstance(action, argparse._SubParsersAction) else None
     if synonym in choices:
         return synonym
     close = difflib.get_close_matches(given.lower(), choices, n=1)
@@ -96,16 +94,28 @@ class _Parser(argparse.ArgumentParser):
     have meant (``inf`` or ``inspect``: ``info``; ``--format parqet``: ``parquet``)."""
 
     argv: Sequence[str] = ()
+    #: the message of the invalid choice argparse refused last, and the choice meant (or None)
+    _invalid_choice: tuple[str, str | None] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.suggest_on_error = False  # (Python 3.14's own guess: the one said is that of _choice_meant)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:  # an invalid choice: what it may have meant, for error()
+            self._invalid_choice = (str(e), _choice_meant(action, value))
+            raise
 
     def error(self, message: str) -> Any:
+        invalid, self._invalid_choice = self._invalid_choice, None
         if message.startswith("the following arguments are required"):
             hints = _misspelt_options(self, self.argv)
             if hints:
                 message = f"{message} ({hints})"
-        else:
-            meant = _choice_meant(message)
-            if meant is not None:
-                message = f"{message} (did you mean {meant!r}?)"
+        elif invalid is not None and invalid[0] == message and invalid[1] is not None:
+            message = f"{message} (did you mean {invalid[1]!r}?)"
         super().error(message)
 
 
