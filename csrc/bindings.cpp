@@ -407,6 +407,7 @@ void bind_capture(py::module_& m) {
             s.set_uncast_storage_dtype(to_scalar_type(dtype), to_scalar_type(first));
           },
           py::arg("dtype"), py::arg("first"))
+      .def("set_stored", &Sink::set_stored, py::arg("on"))
       .def("set_keep_forward_start", &Sink::set_keep_forward_start, py::arg("on"), py::call_guard<ReleaseGil>())
       .def("rollback_forward", &Sink::rollback_forward, py::arg("forward"), py::call_guard<ReleaseGil>())
       .def("wait_reductions", &Sink::wait_reductions, py::call_guard<ReleaseGil>())

@@ -607,7 +607,8 @@ at::Tensor Sink::referred(const Record& r) {
 // dtype or feature shape: cast to the array's dtype they would be stored changed (float32
 // values rounded to float16, or turned into inf, and reduced uncast). Refused here, before
 // anything of this call is kept, reduced or written. (A call with rows opened the array
-// itself: nothing to check; a resumed array was checked when it was opened.) The same for a
+// itself: nothing to check; a resumed array was checked when it was opened, and after an empty
+// first call its rows are held to the stored shape and dtype, set_stored.) The same for a
 // store that keeps reductions only, which records the first call's dtype and feature shape
 // (set_one_layout): rows of another would be reduced as rows the store does not describe.
 void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
@@ -630,19 +631,29 @@ void Sink::check_first_rows_fit_writer(const at::Tensor& x) {
   // these rows fit where that call was floating-point, the dtype alone differs and the rows are
   // numbers it casts (not complex, not bits). (Given, it cast them already: their dtype is the
   // array's.) After an integer, bool or complex first call it changes nothing: named, as no fix.
+  // A hook point the resumed store holds (stored_): its shape and dtype are the store's, which a
+  // resume keeps (it refuses another storage_dtype): neither an empty tensor of the rows' shape
+  // nor storage_dtype= makes these rows fit.
   const bool other_dtype = rows_dtype != dtype;
-  const bool cast_fits = other_dtype && same_shape && at::isFloatingType(dtype) && !x.is_complex() && !is_bits(x);
-  const bool cast_cannot = other_dtype && !at::isFloatingType(dtype);
+  const bool cast_fits =
+      !stored_ && other_dtype && same_shape && at::isFloatingType(dtype) && !x.is_complex() && !is_bits(x);
+  const bool cast_cannot = !stored_ && other_dtype && !at::isFloatingType(dtype);
   ACS_CHECK(false, "hook point '", name_, "' returned an empty batch at its first call (rows of shape ",
-            shape_str(feat), ", ", dtype_name(dtype), "), which fixed ",
-            array ? "its store array's row shape and dtype"
-                  : "the row shape and dtype the store (it keeps reductions only) records for it",
+            shape_str(feat), ", ", dtype_name(dtype), "), ",
+            stored_ ? (array ? "the row shape and dtype of its store array in the store this capture resumes"
+                             : "the row shape and dtype the store this capture resumes (it keeps reductions only) "
+                               "records for it")
+                    : (array ? "which fixed its store array's row shape and dtype"
+                             : "which fixed the row shape and dtype the store (it keeps reductions only) records for it"),
             "; its first rows are ", shape_str(rows_feat), ", ", dtype_name(rows_dtype),
             array ? c10::str(", and would be stored cast to ", dtype_name(dtype), " or refused")
                   : std::string(", and would be reduced as rows the store does not describe"),
-            ". Return an empty tensor of the rows' shape and dtype ",
-            "(x.new_empty((0, *rows.shape[1:]))), ",
-            cast_fits ? "pass storage_dtype= to store every row as one dtype, " : "", "or exclude= its module",
+            stored_ ? ". A resume keeps the store's row shape and dtype: resume with rows of the stored shape and "
+                      "dtype, capture again with overwrite=True, or exclude= its module"
+                    : c10::str(". Return an empty tensor of the rows' shape and dtype ",
+                               "(x.new_empty((0, *rows.shape[1:]))), ",
+                               cast_fits ? "pass storage_dtype= to store every row as one dtype, " : "",
+                               "or exclude= its module"),
             cast_cannot ? c10::str(" (storage_dtype casts floating-point hook points only, decided at their first call, ",
                                    "which was ", dtype_name(dtype), " here, so it does not make these rows fit)")
                         : std::string());

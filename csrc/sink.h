@@ -173,6 +173,10 @@ class Sink {
     layout_dtype_ = dtype;
     layout_feature_shape_ = std::move(feature_shape);
   }
+  // The hook point is one the store this capture resumes holds (its array, or the rows a store
+  // that keeps reductions only reduced): its row shape and dtype are the stored ones, which a
+  // resume cannot change (storage_dtype included). Named by check_first_rows_fit_writer.
+  void set_stored(bool on) { stored_ = on; }
   // The capture's storage_dtype, where this hook point's first call (of dtype `first`) was
   // integer or bool and so is not cast (options_.storage_dtype unset): a later floating-point
   // or complex call is refused, as it would be kept and reduced uncast (a store array refuses
@@ -298,6 +302,7 @@ class Sink {
   std::shared_ptr<RowConsumer> writer_;
   bool one_layout_ = false;  // (set_one_layout)
   std::optional<at::ScalarType> layout_dtype_;
+  bool stored_ = false;  // (set_stored)
   std::vector<int64_t> layout_feature_shape_;
   std::optional<at::ScalarType> uncast_storage_dtype_;  // (set_uncast_storage_dtype)
   at::ScalarType uncast_first_dtype_ = at::kLong;

@@ -1151,6 +1151,44 @@ def test_a_store_array_opened_by_an_empty_first_batch_refuses_rows_it_would_chan
     assert torch.equal(acs.open_store(tmp_path / "t.zarr")["0.output"], want)
 
 
+class _HalfRows(torch.nn.Module):
+    """Returns a float32 (0, 3) placeholder for an empty batch, its rows as float16 once ``half``."""
+
+    half = False
+
+    def forward(self, x):
+        if x.shape[0] == 0:
+            return torch.zeros(0, 3)
+        return x.half() if self.half else x * 1.0
+
+
+def test_an_empty_first_batch_of_a_resume_does_not_advise_storage_dtype(tmp_path):
+    """In a resume the stored array (not the empty first call) fixed the rows' dtype, and a
+    resume must keep the store's storage_dtype: the refusal of rows of another dtype after an
+    empty first call advised storage_dtype=, which that resume then refused. Now it names the
+    stored array and the ways that work."""
+    m = torch.nn.Sequential(_HalfRows())
+    store = tmp_path / "s.zarr"
+    with acs.ActivationScope(store=store).track(m), torch.no_grad():
+        m(torch.ones(2, 3))
+    m[0].half = True
+    with pytest.raises(acs.CaptureError) as info:
+        with acs.ActivationScope(store=store, store_options={"resume": True}).track(m), torch.no_grad():
+            m(torch.zeros(0, 3))
+            m(torch.ones(2, 3))
+    msg = str(info.value)
+    assert "storage_dtype=" not in msg
+    assert ("returned an empty batch at its first call (rows of shape (3,), torch.float32), the row shape and dtype "
+            "of its store array in the store this capture resumes; its first rows are (3,), torch.float16") in msg
+    assert "resume with rows of the stored shape and dtype, capture again with overwrite=True, or exclude= its module" in msg
+    # (following storage_dtype= was refused: a resume keeps the store's storage_dtype)
+    with pytest.raises(acs.CaptureError, match=r"cannot resume .* storage_dtype=None"):
+        with acs.ActivationScope(store=store, storage_dtype=torch.float16,
+                                 store_options={"resume": True}).track(m), torch.no_grad():
+            m(torch.zeros(0, 3))
+    assert acs.open_store(store).n_rows("0.output") == 2
+
+
 # ----------------------------------------------------------------------------- autograd modes
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recompute_is_not_recorded_twice(use_reentrant):

@@ -14,7 +14,7 @@ _module: ModuleType | None = None
 
 #: Names the Python side calls that the newest native sources added: an extension built
 #: from older sources lacks them and is refused with the fix, not an AttributeError later.
-REQUIRED = ("is_token_rows", "Sink.set_alias_of", "Sink.set_row_base", "Sink.wait_reductions", "ForwardWrapper.plan", "ForwardWrapper.set_kw_order", "_set_traced_call",
+REQUIRED = ("is_token_rows", "Sink.set_alias_of", "Sink.set_row_base", "Sink.set_stored", "Sink.wait_reductions", "ForwardWrapper.plan", "ForwardWrapper.set_kw_order", "_set_traced_call",
             "gather_rows", "RowCounts", "last_match")
 
 

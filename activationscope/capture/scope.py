@@ -2518,6 +2518,10 @@ class Tracker:
                     f"token_rows={{{name!r}: True}} to continue it as before, or capture into a new store (or "
                     "overwrite=True) to store it one row per query; the store is left as it was"
                 ) from None
+        if target is None and self.writer is not None and self._stored_layout(name):
+            # (its rows' shape and dtype are the resumed store's: named where rows after an empty
+            # first call differ from them, with no storage_dtype= advice, which a resume refuses)
+            sink.set_stored(True)
         if self.writer is not None and self._reduction_names.get(name):
             self._resume_reductions(name, sink)
             if name in self._reduced_rows:  # (a resume: its rows reduced so far are the stored ones)
@@ -2707,6 +2711,13 @@ class Tracker:
             "capture with capture_mode=CaptureMode.REFERENCE and no reductions keeps such a tensor as it is, in a "
             "forward under torch.no_grad() (not torch.inference_mode()) and without storage_dtype="
         )
+
+    def _stored_layout(self, name: str) -> bool:
+        """Whether the store this capture resumes holds hook point ``name`` (its array, or the
+        rows a store that keeps reductions only reduced), whose row shape and dtype are then
+        the stored ones."""
+        stored = getattr(self.writer, "stored_dtype", None)
+        return callable(stored) and stored(name) is not None
 
     def _cast_dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype | None:
         """The dtype the rows of hook point ``name`` are cast to (None: kept as they are), from
