@@ -162,6 +162,23 @@ def test_a_folder_of_no_store_folder_is_not_taken_for_what_a_cut_short_removal_l
         assert (path / name).read_text() == "mine"
 
 
+def test_the_root_temp_file_of_a_new_store_killed_in_its_first_write_is_a_store_entry(tmp_path):
+    # a new store writes its root document first (a temporary file, renamed): a process killed in
+    # that write leaves the folder holding that file alone (.zarr.json.<8 hex>.tmp, the store's
+    # own name for it). It was refused as a folder holding no store, overwrite=True too, so that
+    # the user had to delete it by hand; it is what is left of a store: refused as such, and
+    # overwrite=True replaces it
+    path = tmp_path / "out.zarr"
+    path.mkdir()
+    (path / ".zarr.json.1a2b3c4d.tmp").write_text("{")
+    with pytest.raises(acs.StoreExistsError, match=r"holds entries of a store \('.zarr.json.1a2b3c4d.tmp'\)"):
+        _store_cell(toy_mlp(depth=1), torch.randn(1, 2, 16), path)
+    assert sorted(p.name for p in path.iterdir()) == [".zarr.json.1a2b3c4d.tmp"]
+    _store_cell(toy_mlp(depth=1), torch.randn(1, 2, 16), path, overwrite=True)
+    assert acs.open_store(path).n_samples == 2
+    assert not (path / ".zarr.json.1a2b3c4d.tmp").exists()
+
+
 def _interrupt_once(monkeypatch, owner, name, when):
     """Make ``owner.name`` raise KeyboardInterrupt the first time ``when(*args)`` holds."""
     real = getattr(owner, name)

@@ -756,7 +756,8 @@ class LocalBackend:
         cut short leaves (its root document gone, e.g. a Ctrl-C while a capture that committed
         no row removed its store), which nothing reads as a store. Sorted; empty when the folder is not such a one
         (a root document there, an entry of another kind, none of a store's folders: temporary files or clutter
-        alone, which are no store's, or nothing but the lock)."""
+        alone, which are no store's, unless one is a temporary file of the store's own naming
+        (:data:`TEMP_NAME`, :data:`LINK_TEMP_NAME`), or nothing but the lock)."""
         try:
             if not self.root.is_dir() or os.path.lexists(self.root / "zarr.json"):
                 return []
@@ -770,8 +771,12 @@ class LocalBackend:
                     return []
                 if (p.name in _STORE_FOLDERS) != p.is_dir() or not (p.is_dir() or p.is_file()):
                     return []
-            if not any(p.name in _STORE_FOLDERS for p in entries):  # (a draft.tmp or .DS_Store alone: a folder of
-                return []  # the user's, whose files overwrite=True would delete)
+            # (a draft.tmp or .DS_Store alone: a folder of the user's, whose files overwrite=True would delete;
+            # a temporary file of the store's own name, .zarr.json.<8 hex>.tmp, is what a new store killed
+            # while it wrote its first root document leaves)
+            if not any(p.name in _STORE_FOLDERS or TEMP_NAME.fullmatch(p.name) or LINK_TEMP_NAME.fullmatch(p.name)
+                       for p in entries):
+                return []
             return sorted(p.name for p in entries)
         except OSError:
             return []
