@@ -578,6 +578,17 @@ def _take_positions(hook_point: str, rows: Any, n: int) -> torch.Tensor:
     return idx
 
 
+def _take_within(hook_point: str, idx: torch.Tensor, n: int) -> None:
+    """Raise :class:`RowIndexError` when a row of ``idx`` (checked by :func:`_take_positions`
+    against the rows a commit had) is not below ``n``, the rows of the commit read: another
+    thread's ``refresh()`` in between may show a store replaced by one of fewer rows."""
+    top = int(idx.max())
+    if top >= n:
+        raise RowIndexError(f"take({hook_point!r}, rows): row {top} out of range for hook point {hook_point!r} with {n} "
+                            f"rows (the store was refreshed meanwhile, and another run of it shown); rows must be "
+                            f"store positions in [0, {n})")
+
+
 def _word_rows(t: torch.Tensor) -> torch.Tensor:
     """Contiguous ``t`` ((rows, ...), rows > 0, rows of > 0 bytes) as (rows, words) of the
     widest of int64, int32, int16 and uint8 whose size divides a row's bytes, the same
@@ -1551,7 +1562,9 @@ class Store:
             ``rows`` is not positions: a bool, float or 2-D tensor, a list holding anything
             but ints (a bool included); a TypeError.
         RowIndexError
-            A row outside ``[0, n_rows)`` (the first one named); an IndexError.
+            A row outside ``[0, n_rows)`` (the first one named); an IndexError. Also a row
+            past the rows of another run of the store that a ``refresh()`` of another thread
+            showed while this call read (an overwrite replaced it), as :meth:`rows` says.
         StoreCorruptError
             A chunk or shard of those rows fails its checks (as :meth:`rows`).
 
@@ -1574,14 +1587,18 @@ class Store:
         if idx.numel() == 0 or V.row_bytes(meta) == 0:
             return torch.empty((idx.numel(), *feat), dtype=dtype)
         if self._parts:  # an uncommitted multi-rank store: each rank store's rows from it
+            parts = self._parts.get(hook_point, [])
+            _take_within(hook_point, idx, max((first + st.n_rows(hook_point) for _, st, first in parts), default=0))
             out = torch.empty((idx.numel(), *feat), dtype=dtype)
-            for _, st, first in self._parts.get(hook_point, []):
+            for _, st, first in parts:
                 pos = ((idx >= first) & (idx < first + st.n_rows(hook_point))).nonzero().squeeze(1)
                 if pos.numel():
                     _put_rows(out, pos, st._take_checked(hook_point, idx[pos] - first))
             return out
+        _take_within(hook_point, idx, int(meta["n_rows"]))
         if self._mappable(meta):
             bl = self.segments(hook_point)
+            _take_within(hook_point, idx, bl[-1])
             seg = (torch.searchsorted(torch.tensor(bl, dtype=torch.int64), idx, right=True) - 1).unique().tolist()
             if all(self._span_is_view(hook_point, bl[s], bl[s + 1]) for s in seg):
                 out = torch.empty((idx.numel(), *feat), dtype=dtype)

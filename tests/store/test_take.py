@@ -259,3 +259,28 @@ def test_threads_taking_batches_at_once(tmp_path):
     for th in threads:
         th.join()
     assert not failed and not wrong
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_refresh_of_a_replaced_store_between_the_check_and_the_read(tmp_path, monkeypatch, compression):
+    """Another thread's ``refresh()`` may show a new run of fewer rows after ``take`` checked
+    the positions against the old count: a row past the new count is an out-of-range row of
+    it (before: an IndexError of a list, or of a compressed store a missing shard blamed on
+    damage), a row within it the new run's."""
+    old, new = _data((100, 4), torch.float32, seed=1), _data((40, 4), torch.float32, seed=2)
+    path = tmp_path / "s.zarr"
+    _write(path, old, compression=compression, chunk_rows=8, shard_rows=32)
+    st = open_store(path)
+    assert _same(st.take("x", [1, 90]), old[[1, 90]])
+    real = R._take_positions
+
+    def then_replaced(hook_point, rows, n):
+        idx = real(hook_point, rows, n)
+        _write(path, new, compression=compression, chunk_rows=8, shard_rows=32, overwrite=True)
+        st.refresh()  # (in another thread)
+        return idx
+
+    monkeypatch.setattr(R, "_take_positions", then_replaced)
+    with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 90 out of range for hook point 'x' with 40 rows"):
+        st.take("x", [90, 1])
+    assert _same(st.take("x", [39, 1]), new[[39, 1]])
