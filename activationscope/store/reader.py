@@ -542,15 +542,22 @@ def _take_positions(hook_point: str, rows: Any, n: int) -> torch.Tensor:
             raise ArgumentValueError(f"{what}: rows is a tensor on the meta device, which holds no values; pass "
                                      "the positions as a CPU (or any other device's) integer tensor")
         if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+            fix = ("rows.reshape(-1) for its positions in one row" if rows.dim() != 1 else
+                   "rows.nonzero().squeeze(1) for the positions of a mask" if rows.dtype == torch.bool else
+                   "rows.long() for positions")
             raise ArgumentTypeError(f"{what}: rows must be a 1-D integer tensor of store positions, got a "
-                                    f"{rows.dim()}-D {rows.dtype} tensor; rows.long() for positions")
+                                    f"{rows.dim()}-D {rows.dtype} tensor; {fix}")
         rows = rows.detach().cpu()
         if rows.dtype in (torch.uint32, torch.uint64):  # (values past int64 are out of range, never wrapped round)
             rows = rows.numpy()
     if isinstance(rows, np.ndarray):
         if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            fix = ("rows.reshape(-1) for its positions in one row" if rows.ndim != 1 else
+                   "rows.nonzero()[0] for the positions of a mask" if rows.dtype.kind == "b" else
+                   "rows.astype(np.int64) for positions" if rows.dtype.kind in "fc" else
+                   "an integer array of positions")
             raise ArgumentTypeError(f"{what}: rows must be a 1-D integer array of store positions, got a "
-                                    f"{rows.ndim}-D {rows.dtype} array")
+                                    f"{rows.ndim}-D {rows.dtype} array; {fix}")
         if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= n:
             raise RowIndexError(f"{what}: row {int(rows[rows >= n][0])} out of range for hook point {hook_point!r} "
                                 f"with {n} rows; rows must be store positions in [0, {n})")

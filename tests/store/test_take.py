@@ -284,3 +284,19 @@ def test_a_refresh_of_a_replaced_store_between_the_check_and_the_read(tmp_path, 
     with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 90 out of range for hook point 'x' with 40 rows"):
         st.take("x", [90, 1])
     assert _same(st.take("x", [39, 1]), new[[39, 1]])
+
+
+def test_a_wrong_index_is_told_the_fix_for_its_kind(tmp_path):
+    """A 0-D or 2-D tensor, a bool mask, a float tensor and a 2-D array are each told what
+    makes positions of them (before: ``rows.long()`` for all, which an int64 0-D tensor already
+    is, and nothing for an array)."""
+    t = _data((N, 2), torch.float32)
+    _write(tmp_path / "s.zarr", t, compression="zstd", chunk_rows=8)
+    st = open_store(tmp_path / "s.zarr")
+    for bad, fix in ((torch.tensor(3), r"rows\.reshape\(-1\)"), (torch.zeros(2, 2, dtype=torch.int64), r"rows\.reshape\(-1\)"),
+                     (torch.tensor([True, False]), r"rows\.nonzero\(\)\.squeeze\(1\)"),
+                     (torch.tensor([1.0]), r"rows\.long\(\)"), (np.zeros((2, 2), dtype=np.int64), r"rows\.reshape\(-1\)"),
+                     (np.array([True]), r"rows\.nonzero\(\)\[0\]"), (np.array([1.0]), r"rows\.astype\(np\.int64\)")):
+        with pytest.raises(ArgumentTypeError, match=fix):
+            st.take("x", bad)
+    assert _same(st.take("x", torch.tensor(3).reshape(-1)), t[[3]])
