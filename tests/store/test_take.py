@@ -5,6 +5,7 @@ rows (``t[idx]``), whatever the dtype, chunking, cache size or evictions meanwhi
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -300,3 +301,139 @@ def test_a_wrong_index_is_told_the_fix_for_its_kind(tmp_path):
         with pytest.raises(ArgumentTypeError, match=fix):
             st.take("x", bad)
     assert _same(st.take("x", torch.tensor(3).reshape(-1)), t[[3]])
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_takes_of_a_store_being_written_and_refreshed(tmp_path, where, compression):
+    """A store being written (incomplete): takes between commits show the rows of the commit
+    read (also of a tail chunk the writer rewrites with more rows since, cached by the reader),
+    a refresh() the rows committed since; all equal torch indexing."""
+    t = _data((120, 3), torch.float32, seed=4)
+    target = _target(tmp_path, where)
+    w = StoreWriter(target, compression=compression, chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (3,), torch.float32, "sample")
+    done, ends = 0, [0]
+    for k in (10, 10, 9, 30, 3, 50):
+        arr.append(t[done:done + k])
+        w.add_batch(k, list(range(done, done + k)), None, {})
+        done += k
+        ends.append(done)
+        # (a commit lists the batches whose rows lie in shards the writer thread made durable:
+        # after each batch 0, 10, 20, 29, 29 and 112 rows; waited for, not to depend on its pace)
+        want = max(e for e in ends if e <= done // 8 * 8)
+        for _ in range(500):
+            w.commit()
+            if open_store(target).n_rows("x") >= want:
+                break
+            time.sleep(0.01)
+        if done == 20:
+            st = open_store(target, cache_bytes=2 * 4 * 3 * 4)  # (two chunks)
+            assert st.status == "incomplete"
+        elif done > 20:
+            n = st.n_rows("x")
+            idx = list(range(n - 1, -1, -1)) + [n - 1, 0, n // 2, n - 1]
+            assert _same(st.take("x", idx), t[idx]), n  # the commit read, whatever was written since
+            st.refresh()
+            assert st.n_rows("x") >= n
+            n = st.n_rows("x")
+            idx = [n - 1, 0, n - 2, n - 1, n // 3] + list(range(n))
+            assert _same(st.take("x", idx), t[idx]), n
+    w.close()
+    st.refresh()
+    assert st.status == "complete" and _same(st.take("x", list(range(done - 1, -1, -1))), t[:done].flip(0))
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_takes_around_a_resume_on_one_open_store(tmp_path, compression):
+    """A resume appends rows (rewriting the last, partial chunk) between two takes of one open
+    store: the second take still shows the rows it had, a refresh() the appended ones too."""
+    t = _data((40, 3), torch.float32, seed=5)
+    path = tmp_path / "s.zarr"
+    _write(path, t[:10], compression=compression, chunk_rows=4, shard_rows=16)
+    for cache_bytes in (0, 64 << 20):
+        st = open_store(path, cache_bytes=cache_bytes)
+        n = st.n_rows("x")
+        assert _same(st.take("x", [n - 1, 8, 0]), t[[n - 1, 8, 0]])
+        w = StoreWriter(path, compression=compression, chunk_rows=4, shard_rows=16, resume=True)
+        arr = w.open_array("x", (3,), torch.float32, "sample")
+        arr.append(t[n:n + 15])
+        w.add_batch(15, list(range(n, n + 15)), None, {})
+        w.close()
+        assert _same(st.take("x", [n - 1, 8, 0, n - 2]), t[[n - 1, 8, 0, n - 2]])
+        st.refresh()
+        idx = list(range(n + 14, -1, -1)) + [n, n - 1]
+        assert _same(st.take("x", idx), t[idx])
+
+
+def test_a_hook_point_stored_as_an_alias(tmp_path):
+    t = _data((50, 4), torch.float32, seed=6)
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, compression="zstd", chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (4,), torch.float32, "sample")
+    w.add_alias("y", "x")
+    for s in range(0, 50, 10):
+        arr.append(t[s:s + 10])
+        w.add_batch(10, list(range(s, s + 10)), None, {})
+        w.commit()
+    w.close()
+    st = open_store(path, cache_bytes=100)
+    assert st.aliases == {"y": "x"}
+    idx = [49, 0, 3, 3, 17, 48]
+    assert _same(st.take("y", idx), t[idx]) and _same(st.take("x", idx), t[idx])
+    assert _same(st.take("y", range(49, -1, -1)), t.flip(0))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4"])
+def test_a_damaged_chunk_in_the_cache_or_not(tmp_path, compression):
+    """A chunk decoded (and cached) before it was damaged is read from the cache; one not
+    cached raises StoreCorruptError on every take, in each of several threads waiting on its
+    one decode, and leaves no decode behind."""
+    import threading
+
+    t = _data((64, 8), torch.float32, seed=7)
+    _write(tmp_path / "s.zarr", t, compression=compression, chunk_rows=8, shard_rows=64)
+    st = open_store(tmp_path / "s.zarr")
+    assert _same(st.take("x", [17, 18]), t[[17, 18]])  # chunk 2 cached
+    shard = tmp_path / "s.zarr" / "acts" / "x" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(data), "<u8", count=16, offset=len(data) - 16 * 8 - 4).reshape(-1, 2)
+    for c in (2, 3):
+        data[int(index[c, 0]) + int(index[c, 1]) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert _same(st.take("x", [17, 16, 0]), t[[17, 16, 0]])
+    for _ in range(2):
+        with pytest.raises(StoreCorruptError, match=r"chunk 3 .*crc32c"):
+            st.take("x", [17, 25, 0])
+    errors = []
+
+    def take():
+        try:
+            st.take("x", [26, 27, 40])
+        except StoreCorruptError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(errors) == 6 and not st._inflight
+    with pytest.raises(StoreCorruptError, match=r"chunk 2 .*crc32c"):
+        open_store(tmp_path / "s.zarr", cache_bytes=0).take("x", list(range(63, -1, -1)))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_takes_of_an_s3_store(s3, compression):
+    """Of object storage (moto S3), with no cache, a cache smaller than one chunk and the
+    default one: shuffled batches with repeats, and every row backwards."""
+    t = _data((200, 6), torch.float32, seed=8)
+    url = f"s3://acs-bucket/take-{uuid.uuid4().hex}.zarr"
+    _write(url, t, batch=50, compression=compression, chunk_rows=8, shard_rows=32, storage_options=s3)
+    g = np.random.default_rng(0)
+    for cache_bytes in (0, 50, 64 << 20):
+        st = open_store(url, storage_options=s3, cache_bytes=cache_bytes)
+        for k in (1, 7, 100):
+            idx = g.integers(0, 200, k).tolist()
+            assert _same(st.take("x", idx), t[idx]), (cache_bytes, idx)
+        assert _same(st.take("x", torch.arange(199, -1, -1, dtype=torch.int32)), t.flip(0))
