@@ -733,7 +733,7 @@ class Store:
             self._open_options["storage_options"] = storage_options
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
-        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (array path, chunk, id(entry)) -> decoded
         self._cached = 0
         self._maps: dict[str, torch.Tensor] = {}
         self._indexes: dict[str, _ShardIndex] = {}
@@ -1679,12 +1679,12 @@ class Store:
         got: dict[int, torch.Tensor] = {}
         with self._lock:
             for c in chunks:
-                t = self._cache.get((hook_point, c, mid))
+                t = self._cache.get((meta["path"], c, mid))
                 if t is not None:
-                    self._cache.move_to_end((hook_point, c, mid))
+                    self._cache.move_to_end((meta["path"], c, mid))
                     got[c] = t
             missing = [c for c in chunks if c not in got]
-            fetch = [c for c in missing if (hook_point, c, mid) not in self._inflight]
+            fetch = [c for c in missing if (meta["path"], c, mid) not in self._inflight]
         if missing:
             runs = self._plan_runs(meta, fetch)
             futures = [(c, self._chunk_future(hook_point, meta, c, _Run.future(runs, c))) for c in missing]
@@ -2784,7 +2784,7 @@ class Store:
         """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers of
         the same commit: a chunk that a commit read since (``refresh()``) may have rewritten
         with more rows is decoded again for it). ``run``: as :meth:`_decode_chunk`'s."""
-        key = (hook_point, c, id(meta))
+        key = (meta["path"], c, id(meta))  # (an alias's chunks are its hook point's: the array's path)
         with self._lock:
             fut = self._inflight.get(key)
             if fut is not None:
@@ -2917,8 +2917,8 @@ class Store:
         mid = id(meta)
         with self._lock:
             self._prefetched[hook_point] = frozenset(wanted)
-            wanted = [c for c in wanted if (hook_point, c, mid) not in self._cache
-                      and (hook_point, c, mid) not in self._inflight][:budget]
+            wanted = [c for c in wanted if (meta["path"], c, mid) not in self._cache
+                      and (meta["path"], c, mid) not in self._inflight][:budget]
         if not wanted:
             return
         if local:  # (a read of a chunk is a pread: the cost is its decoding, of the chunks asked for only)
@@ -2974,9 +2974,9 @@ class Store:
             lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
             dst = flat[(lo - start) * row_bytes:(hi - start) * row_bytes]
             with self._lock:
-                t = self._cache.get((hook_point, c, mid))
+                t = self._cache.get((meta["path"], c, mid))
                 if t is not None:
-                    self._cache.move_to_end((hook_point, c, mid))
+                    self._cache.move_to_end((meta["path"], c, mid))
             if t is not None:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
             else:
@@ -2999,7 +2999,7 @@ class Store:
                 last = min(last, (c1 // shard_chunks + 1) * shard_chunks - 1)
             with self._lock:
                 ahead_chunks = [c for c in range(c1 + 1, min(last, c1 + ahead) + 1)
-                                if (hook_point, c, mid) not in self._cache and (hook_point, c, mid) not in self._inflight]
+                                if (meta["path"], c, mid) not in self._cache and (meta["path"], c, mid) not in self._inflight]
             if remote and ahead_chunks and c1 + 1 not in ahead_chunks and len(ahead_chunks) < max(1, ahead // 2):
                 ahead_chunks = []  # (more than half the window is on its way: the rest with the next run)
         elif remote and todo and not big and n * row_bytes <= self._cache_bytes // 4:
@@ -3014,9 +3014,9 @@ class Store:
             hi_c = min(first_c + shard_chunks - 1, (n - 1) // chunk_rows, lo_c + window - 1)
             with self._lock:
                 ahead_chunks = [x for x in range(lo_c, hi_c + 1) if x not in {t[0] for t in todo}
-                                and (hook_point, x, mid) not in self._cache and (hook_point, x, mid) not in self._inflight]
+                                and (meta["path"], x, mid) not in self._cache and (meta["path"], x, mid) not in self._inflight]
         with self._lock:
-            fetch = sorted({c for c, *_ in todo if (hook_point, c, mid) not in self._inflight} | set(ahead_chunks))
+            fetch = sorted({c for c, *_ in todo if (meta["path"], c, mid) not in self._inflight} | set(ahead_chunks))
         runs = self._plan_runs(meta, fetch)
         waits = []
         for c, lo, hi, dst in todo:

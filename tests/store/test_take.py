@@ -437,3 +437,24 @@ def test_takes_of_an_s3_store(s3, compression):
             idx = g.integers(0, 200, k).tolist()
             assert _same(st.take("x", idx), t[idx]), (cache_bytes, idx)
         assert _same(st.take("x", torch.arange(199, -1, -1, dtype=torch.int32)), t.flip(0))
+
+
+def test_an_alias_and_its_hook_point_share_their_decoded_chunks(tmp_path, monkeypatch):
+    """A hook point stored as another's alias reads the same array: its chunks are decoded and
+    cached once for both names (before: once per name, each chunk twice, twice the cache)."""
+    t = _data((40, 4), torch.float32, seed=9)
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, compression="zstd", chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (4,), torch.float32, "sample")
+    w.add_alias("y", "x")
+    arr.append(t)
+    w.add_batch(40, list(range(40)), None, {})
+    w.close()
+    st = open_store(path)
+    decoded = []
+    real = R.Store._decode_chunk
+    monkeypatch.setattr(R.Store, "_decode_chunk",
+                        lambda self, hp, meta, c, *a, **k: decoded.append(c) or real(self, hp, meta, c, *a, **k))
+    assert _same(st.take("x", range(39, -1, -1)), t.flip(0))
+    assert _same(st.take("y", range(40)), t) and _same(st.rows("y", 0, 40), t) and _same(st["y"], t)
+    assert sorted(decoded) == list(range(10)) and len(st._cache) == 10
