@@ -1569,9 +1569,10 @@ class Store:
             ``rows`` is not positions: a bool, float or 2-D tensor, a list holding anything
             but ints (a bool included); a TypeError.
         RowIndexError
-            A row outside ``[0, n_rows)`` (the first one named); an IndexError. Also a row
-            past the rows of another run of the store that a ``refresh()`` of another thread
-            showed while this call read (an overwrite replaced it), as :meth:`rows` says.
+            A row outside ``[0, n_rows)`` (the first one named); an IndexError. A
+            ``refresh()`` of another thread that shows another run of the store while this
+            call reads (an overwrite replaced it) makes it read that run's rows (a row past
+            them is this error).
         StoreCorruptError
             A chunk or shard of those rows fails its checks (as :meth:`rows`).
 
@@ -1579,13 +1580,20 @@ class Store:
         -------
         >>> store.take("blocks.0.output", [17, 3, 99_000])        # doctest: +SKIP
         """
-        n = self.n_rows(hook_point)
-        idx = _take_positions(hook_point, rows, n)
-        try:
-            return self._take_checked(hook_point, idx)
-        except StoreCorruptError:
-            self._check_same_store()  # a store replaced under this reader is not damage
-            raise
+        tries = 0
+        while True:
+            attrs = self._attrs
+            try:
+                return self._take_checked(hook_point, _take_positions(hook_point, rows, self.n_rows(hook_point)))
+            except (StoreCorruptError, RowIndexError) as e:
+                tries += 1
+                if tries < 3 and self._attrs is not attrs:
+                    # a refresh() of another thread showed another commit while this one read (a run
+                    # that replaced it: its files, not the ones the rows were checked against): again, of it
+                    continue
+                if isinstance(e, StoreCorruptError):
+                    self._check_same_store()  # a store replaced under this reader is not damage
+                raise
 
     def _take_checked(self, hook_point: str, idx: torch.Tensor) -> torch.Tensor:
         """:meth:`take` of checked store rows ``idx`` (int64, (k,), in range)."""

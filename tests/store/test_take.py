@@ -458,3 +458,32 @@ def test_an_alias_and_its_hook_point_share_their_decoded_chunks(tmp_path, monkey
     assert _same(st.take("x", range(39, -1, -1)), t.flip(0))
     assert _same(st.take("y", range(40)), t) and _same(st.rows("y", 0, 40), t) and _same(st["y"], t)
     assert sorted(decoded) == list(range(10)) and len(st._cache) == 10
+
+
+@pytest.mark.parametrize("idx", [[1, 30], [1, 70]])
+def test_a_refresh_to_another_run_while_the_rows_are_read(tmp_path, monkeypatch, idx):
+    """Another thread's ``refresh()`` shows a new run of fewer rows while ``take`` reads (after
+    it took the row boundaries of the old one): the take reads the new run's rows, or says a
+    row is past them (before: a missing shard blamed on damage, or rows [0, 100) out of range
+    for rows that are there)."""
+    old, new = _data((100, 4), torch.float32, seed=1), _data((40, 4), torch.float32, seed=2)
+    path = tmp_path / "s.zarr"
+    _write(path, old, chunk_rows=8, shard_rows=32)
+    st = open_store(path)
+    assert _same(st.take("x", idx), old[idx])
+    real, done = R.Store.segments, []
+
+    def then_replaced(self, hook_point):
+        bounds = real(self, hook_point)
+        if not done:
+            done.append(1)
+            _write(path, new, chunk_rows=8, shard_rows=32, overwrite=True)
+            self.refresh()  # (in another thread)
+        return bounds
+
+    monkeypatch.setattr(R.Store, "segments", then_replaced)
+    if max(idx) < 40:
+        assert _same(st.take("x", idx), new[idx])
+    else:
+        with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 70 out of range for hook point 'x' with 40 rows"):
+            st.take("x", idx)
