@@ -542,15 +542,22 @@ def _take_positions(hook_point: str, rows: Any, n: int) -> torch.Tensor:
             raise ArgumentValueError(f"{what}: rows is a tensor on the meta device, which holds no values; pass "
                                      "the positions as a CPU (or any other device's) integer tensor")
         if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+            fix = ("rows.reshape(-1) for its positions in one row" if rows.dim() != 1 else
+                   "rows.nonzero().squeeze(1) for the positions of a mask" if rows.dtype == torch.bool else
+                   "rows.long() for positions")
             raise ArgumentTypeError(f"{what}: rows must be a 1-D integer tensor of store positions, got a "
-                                    f"{rows.dim()}-D {rows.dtype} tensor; rows.long() for positions")
+                                    f"{rows.dim()}-D {rows.dtype} tensor; {fix}")
         rows = rows.detach().cpu()
         if rows.dtype in (torch.uint32, torch.uint64):  # (values past int64 are out of range, never wrapped round)
             rows = rows.numpy()
     if isinstance(rows, np.ndarray):
         if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            fix = ("rows.reshape(-1) for its positions in one row" if rows.ndim != 1 else
+                   "rows.nonzero()[0] for the positions of a mask" if rows.dtype.kind == "b" else
+                   "rows.astype(np.int64) for positions" if rows.dtype.kind in "fc" else
+                   "an integer array of positions")
             raise ArgumentTypeError(f"{what}: rows must be a 1-D integer array of store positions, got a "
-                                    f"{rows.ndim}-D {rows.dtype} array")
+                                    f"{rows.ndim}-D {rows.dtype} array; {fix}")
         if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= n:
             raise RowIndexError(f"{what}: row {int(rows[rows >= n][0])} out of range for hook point {hook_point!r} "
                                 f"with {n} rows; rows must be store positions in [0, {n})")
@@ -576,6 +583,17 @@ def _take_positions(hook_point: str, rows: Any, n: int) -> torch.Tensor:
             raise RowIndexError(f"{what}: row {int(idx[bad][0])} out of range for hook point {hook_point!r} with {n} "
                                 f"rows; rows must be store positions in [0, {n}) (none negative)")
     return idx
+
+
+def _take_within(hook_point: str, idx: torch.Tensor, n: int) -> None:
+    """Raise :class:`RowIndexError` when a row of ``idx`` (checked by :func:`_take_positions`
+    against the rows a commit had) is not below ``n``, the rows of the commit read: another
+    thread's ``refresh()`` in between may show a store replaced by one of fewer rows."""
+    top = int(idx.max())
+    if top >= n:
+        raise RowIndexError(f"take({hook_point!r}, rows): row {top} out of range for hook point {hook_point!r} with {n} "
+                            f"rows (the store was refreshed meanwhile, and another run of it shown); rows must be "
+                            f"store positions in [0, {n})")
 
 
 def _word_rows(t: torch.Tensor) -> torch.Tensor:
@@ -715,7 +733,7 @@ class Store:
             self._open_options["storage_options"] = storage_options
         self._backend = resolve(target, read_only=True, storage_options=storage_options)
         self._cache_bytes = int(cache_bytes)
-        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (array path, chunk, id(entry)) -> decoded
         self._cached = 0
         self._maps: dict[str, torch.Tensor] = {}
         self._indexes: dict[str, _ShardIndex] = {}
@@ -1551,7 +1569,10 @@ class Store:
             ``rows`` is not positions: a bool, float or 2-D tensor, a list holding anything
             but ints (a bool included); a TypeError.
         RowIndexError
-            A row outside ``[0, n_rows)`` (the first one named); an IndexError.
+            A row outside ``[0, n_rows)`` (the first one named); an IndexError. A
+            ``refresh()`` of another thread that shows another run of the store while this
+            call reads (an overwrite replaced it) makes it read that run's rows (a row past
+            them is this error).
         StoreCorruptError
             A chunk or shard of those rows fails its checks (as :meth:`rows`).
 
@@ -1559,13 +1580,20 @@ class Store:
         -------
         >>> store.take("blocks.0.output", [17, 3, 99_000])        # doctest: +SKIP
         """
-        n = self.n_rows(hook_point)
-        idx = _take_positions(hook_point, rows, n)
-        try:
-            return self._take_checked(hook_point, idx)
-        except StoreCorruptError:
-            self._check_same_store()  # a store replaced under this reader is not damage
-            raise
+        tries = 0
+        while True:
+            attrs = self._attrs
+            try:
+                return self._take_checked(hook_point, _take_positions(hook_point, rows, self.n_rows(hook_point)))
+            except (StoreCorruptError, RowIndexError) as e:
+                tries += 1
+                if tries < 3 and self._attrs is not attrs:
+                    # a refresh() of another thread showed another commit while this one read (a run
+                    # that replaced it: its files, not the ones the rows were checked against): again, of it
+                    continue
+                if isinstance(e, StoreCorruptError):
+                    self._check_same_store()  # a store replaced under this reader is not damage
+                raise
 
     def _take_checked(self, hook_point: str, idx: torch.Tensor) -> torch.Tensor:
         """:meth:`take` of checked store rows ``idx`` (int64, (k,), in range)."""
@@ -1574,14 +1602,18 @@ class Store:
         if idx.numel() == 0 or V.row_bytes(meta) == 0:
             return torch.empty((idx.numel(), *feat), dtype=dtype)
         if self._parts:  # an uncommitted multi-rank store: each rank store's rows from it
+            parts = self._parts.get(hook_point, [])
+            _take_within(hook_point, idx, max((first + st.n_rows(hook_point) for _, st, first in parts), default=0))
             out = torch.empty((idx.numel(), *feat), dtype=dtype)
-            for _, st, first in self._parts.get(hook_point, []):
+            for _, st, first in parts:
                 pos = ((idx >= first) & (idx < first + st.n_rows(hook_point))).nonzero().squeeze(1)
                 if pos.numel():
                     _put_rows(out, pos, st._take_checked(hook_point, idx[pos] - first))
             return out
+        _take_within(hook_point, idx, int(meta["n_rows"]))
         if self._mappable(meta):
             bl = self.segments(hook_point)
+            _take_within(hook_point, idx, bl[-1])
             seg = (torch.searchsorted(torch.tensor(bl, dtype=torch.int64), idx, right=True) - 1).unique().tolist()
             if all(self._span_is_view(hook_point, bl[s], bl[s + 1]) for s in seg):
                 out = torch.empty((idx.numel(), *feat), dtype=dtype)
@@ -1655,12 +1687,12 @@ class Store:
         got: dict[int, torch.Tensor] = {}
         with self._lock:
             for c in chunks:
-                t = self._cache.get((hook_point, c, mid))
+                t = self._cache.get((meta["path"], c, mid))
                 if t is not None:
-                    self._cache.move_to_end((hook_point, c, mid))
+                    self._cache.move_to_end((meta["path"], c, mid))
                     got[c] = t
             missing = [c for c in chunks if c not in got]
-            fetch = [c for c in missing if (hook_point, c, mid) not in self._inflight]
+            fetch = [c for c in missing if (meta["path"], c, mid) not in self._inflight]
         if missing:
             runs = self._plan_runs(meta, fetch)
             futures = [(c, self._chunk_future(hook_point, meta, c, _Run.future(runs, c))) for c in missing]
@@ -2760,7 +2792,7 @@ class Store:
         """A future of decoded chunk ``c`` (cached; one decode per chunk however many readers of
         the same commit: a chunk that a commit read since (``refresh()``) may have rewritten
         with more rows is decoded again for it). ``run``: as :meth:`_decode_chunk`'s."""
-        key = (hook_point, c, id(meta))
+        key = (meta["path"], c, id(meta))  # (an alias's chunks are its hook point's: the array's path)
         with self._lock:
             fut = self._inflight.get(key)
             if fut is not None:
@@ -2893,8 +2925,8 @@ class Store:
         mid = id(meta)
         with self._lock:
             self._prefetched[hook_point] = frozenset(wanted)
-            wanted = [c for c in wanted if (hook_point, c, mid) not in self._cache
-                      and (hook_point, c, mid) not in self._inflight][:budget]
+            wanted = [c for c in wanted if (meta["path"], c, mid) not in self._cache
+                      and (meta["path"], c, mid) not in self._inflight][:budget]
         if not wanted:
             return
         if local:  # (a read of a chunk is a pread: the cost is its decoding, of the chunks asked for only)
@@ -2950,9 +2982,9 @@ class Store:
             lo, hi = max(start, c * chunk_rows), min(stop, (c + 1) * chunk_rows)
             dst = flat[(lo - start) * row_bytes:(hi - start) * row_bytes]
             with self._lock:
-                t = self._cache.get((hook_point, c, mid))
+                t = self._cache.get((meta["path"], c, mid))
                 if t is not None:
-                    self._cache.move_to_end((hook_point, c, mid))
+                    self._cache.move_to_end((meta["path"], c, mid))
             if t is not None:
                 dst[:] = t.view(-1).view(torch.uint8).numpy()[(lo - c * chunk_rows) * row_bytes:(hi - c * chunk_rows) * row_bytes]
             else:
@@ -2975,7 +3007,7 @@ class Store:
                 last = min(last, (c1 // shard_chunks + 1) * shard_chunks - 1)
             with self._lock:
                 ahead_chunks = [c for c in range(c1 + 1, min(last, c1 + ahead) + 1)
-                                if (hook_point, c, mid) not in self._cache and (hook_point, c, mid) not in self._inflight]
+                                if (meta["path"], c, mid) not in self._cache and (meta["path"], c, mid) not in self._inflight]
             if remote and ahead_chunks and c1 + 1 not in ahead_chunks and len(ahead_chunks) < max(1, ahead // 2):
                 ahead_chunks = []  # (more than half the window is on its way: the rest with the next run)
         elif remote and todo and not big and n * row_bytes <= self._cache_bytes // 4:
@@ -2990,9 +3022,9 @@ class Store:
             hi_c = min(first_c + shard_chunks - 1, (n - 1) // chunk_rows, lo_c + window - 1)
             with self._lock:
                 ahead_chunks = [x for x in range(lo_c, hi_c + 1) if x not in {t[0] for t in todo}
-                                and (hook_point, x, mid) not in self._cache and (hook_point, x, mid) not in self._inflight]
+                                and (meta["path"], x, mid) not in self._cache and (meta["path"], x, mid) not in self._inflight]
         with self._lock:
-            fetch = sorted({c for c, *_ in todo if (hook_point, c, mid) not in self._inflight} | set(ahead_chunks))
+            fetch = sorted({c for c, *_ in todo if (meta["path"], c, mid) not in self._inflight} | set(ahead_chunks))
         runs = self._plan_runs(meta, fetch)
         waits = []
         for c, lo, hi, dst in todo:

@@ -5,6 +5,7 @@ rows (``t[idx]``), whatever the dtype, chunking, cache size or evictions meanwhi
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -259,3 +260,230 @@ def test_threads_taking_batches_at_once(tmp_path):
     for th in threads:
         th.join()
     assert not failed and not wrong
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_refresh_of_a_replaced_store_between_the_check_and_the_read(tmp_path, monkeypatch, compression):
+    """Another thread's ``refresh()`` may show a new run of fewer rows after ``take`` checked
+    the positions against the old count: a row past the new count is an out-of-range row of
+    it (before: an IndexError of a list, or of a compressed store a missing shard blamed on
+    damage), a row within it the new run's."""
+    old, new = _data((100, 4), torch.float32, seed=1), _data((40, 4), torch.float32, seed=2)
+    path = tmp_path / "s.zarr"
+    _write(path, old, compression=compression, chunk_rows=8, shard_rows=32)
+    st = open_store(path)
+    assert _same(st.take("x", [1, 90]), old[[1, 90]])
+    real = R._take_positions
+
+    def then_replaced(hook_point, rows, n):
+        idx = real(hook_point, rows, n)
+        _write(path, new, compression=compression, chunk_rows=8, shard_rows=32, overwrite=True)
+        st.refresh()  # (in another thread)
+        return idx
+
+    monkeypatch.setattr(R, "_take_positions", then_replaced)
+    with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 90 out of range for hook point 'x' with 40 rows"):
+        st.take("x", [90, 1])
+    assert _same(st.take("x", [39, 1]), new[[39, 1]])
+
+
+def test_a_wrong_index_is_told_the_fix_for_its_kind(tmp_path):
+    """A 0-D or 2-D tensor, a bool mask, a float tensor and a 2-D array are each told what
+    makes positions of them (before: ``rows.long()`` for all, which an int64 0-D tensor already
+    is, and nothing for an array)."""
+    t = _data((N, 2), torch.float32)
+    _write(tmp_path / "s.zarr", t, compression="zstd", chunk_rows=8)
+    st = open_store(tmp_path / "s.zarr")
+    for bad, fix in ((torch.tensor(3), r"rows\.reshape\(-1\)"), (torch.zeros(2, 2, dtype=torch.int64), r"rows\.reshape\(-1\)"),
+                     (torch.tensor([True, False]), r"rows\.nonzero\(\)\.squeeze\(1\)"),
+                     (torch.tensor([1.0]), r"rows\.long\(\)"), (np.zeros((2, 2), dtype=np.int64), r"rows\.reshape\(-1\)"),
+                     (np.array([True]), r"rows\.nonzero\(\)\[0\]"), (np.array([1.0]), r"rows\.astype\(np\.int64\)")):
+        with pytest.raises(ArgumentTypeError, match=fix):
+            st.take("x", bad)
+    assert _same(st.take("x", torch.tensor(3).reshape(-1)), t[[3]])
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_takes_of_a_store_being_written_and_refreshed(tmp_path, where, compression):
+    """A store being written (incomplete): takes between commits show the rows of the commit
+    read (also of a tail chunk the writer rewrites with more rows since, cached by the reader),
+    a refresh() the rows committed since; all equal torch indexing."""
+    t = _data((120, 3), torch.float32, seed=4)
+    target = _target(tmp_path, where)
+    w = StoreWriter(target, compression=compression, chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (3,), torch.float32, "sample")
+    done, ends = 0, [0]
+    for k in (10, 10, 9, 30, 3, 50):
+        arr.append(t[done:done + k])
+        w.add_batch(k, list(range(done, done + k)), None, {})
+        done += k
+        ends.append(done)
+        # (a commit lists the batches whose rows lie in shards the writer thread made durable:
+        # after each batch 0, 10, 20, 29, 29 and 112 rows; waited for, not to depend on its pace)
+        want = max(e for e in ends if e <= done // 8 * 8)
+        for _ in range(500):
+            w.commit()
+            if open_store(target).n_rows("x") >= want:
+                break
+            time.sleep(0.01)
+        if done == 20:
+            st = open_store(target, cache_bytes=2 * 4 * 3 * 4)  # (two chunks)
+            assert st.status == "incomplete"
+        elif done > 20:
+            n = st.n_rows("x")
+            idx = list(range(n - 1, -1, -1)) + [n - 1, 0, n // 2, n - 1]
+            assert _same(st.take("x", idx), t[idx]), n  # the commit read, whatever was written since
+            st.refresh()
+            assert st.n_rows("x") >= n
+            n = st.n_rows("x")
+            idx = [n - 1, 0, n - 2, n - 1, n // 3] + list(range(n))
+            assert _same(st.take("x", idx), t[idx]), n
+    w.close()
+    st.refresh()
+    assert st.status == "complete" and _same(st.take("x", list(range(done - 1, -1, -1))), t[:done].flip(0))
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_takes_around_a_resume_on_one_open_store(tmp_path, compression):
+    """A resume appends rows (rewriting the last, partial chunk) between two takes of one open
+    store: the second take still shows the rows it had, a refresh() the appended ones too."""
+    t = _data((40, 3), torch.float32, seed=5)
+    path = tmp_path / "s.zarr"
+    _write(path, t[:10], compression=compression, chunk_rows=4, shard_rows=16)
+    for cache_bytes in (0, 64 << 20):
+        st = open_store(path, cache_bytes=cache_bytes)
+        n = st.n_rows("x")
+        assert _same(st.take("x", [n - 1, 8, 0]), t[[n - 1, 8, 0]])
+        w = StoreWriter(path, compression=compression, chunk_rows=4, shard_rows=16, resume=True)
+        arr = w.open_array("x", (3,), torch.float32, "sample")
+        arr.append(t[n:n + 15])
+        w.add_batch(15, list(range(n, n + 15)), None, {})
+        w.close()
+        assert _same(st.take("x", [n - 1, 8, 0, n - 2]), t[[n - 1, 8, 0, n - 2]])
+        st.refresh()
+        idx = list(range(n + 14, -1, -1)) + [n, n - 1]
+        assert _same(st.take("x", idx), t[idx])
+
+
+def test_a_hook_point_stored_as_an_alias(tmp_path):
+    t = _data((50, 4), torch.float32, seed=6)
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, compression="zstd", chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (4,), torch.float32, "sample")
+    w.add_alias("y", "x")
+    for s in range(0, 50, 10):
+        arr.append(t[s:s + 10])
+        w.add_batch(10, list(range(s, s + 10)), None, {})
+        w.commit()
+    w.close()
+    st = open_store(path, cache_bytes=100)
+    assert st.aliases == {"y": "x"}
+    idx = [49, 0, 3, 3, 17, 48]
+    assert _same(st.take("y", idx), t[idx]) and _same(st.take("x", idx), t[idx])
+    assert _same(st.take("y", range(49, -1, -1)), t.flip(0))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc-lz4"])
+def test_a_damaged_chunk_in_the_cache_or_not(tmp_path, compression):
+    """A chunk decoded (and cached) before it was damaged is read from the cache; one not
+    cached raises StoreCorruptError on every take, in each of several threads waiting on its
+    one decode, and leaves no decode behind."""
+    import threading
+
+    t = _data((64, 8), torch.float32, seed=7)
+    _write(tmp_path / "s.zarr", t, compression=compression, chunk_rows=8, shard_rows=64)
+    st = open_store(tmp_path / "s.zarr")
+    assert _same(st.take("x", [17, 18]), t[[17, 18]])  # chunk 2 cached
+    shard = tmp_path / "s.zarr" / "acts" / "x" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(data), "<u8", count=16, offset=len(data) - 16 * 8 - 4).reshape(-1, 2)
+    for c in (2, 3):
+        data[int(index[c, 0]) + int(index[c, 1]) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert _same(st.take("x", [17, 16, 0]), t[[17, 16, 0]])
+    for _ in range(2):
+        with pytest.raises(StoreCorruptError, match=r"chunk 3 .*crc32c"):
+            st.take("x", [17, 25, 0])
+    errors = []
+
+    def take():
+        try:
+            st.take("x", [26, 27, 40])
+        except StoreCorruptError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(errors) == 6 and not st._inflight
+    with pytest.raises(StoreCorruptError, match=r"chunk 2 .*crc32c"):
+        open_store(tmp_path / "s.zarr", cache_bytes=0).take("x", list(range(63, -1, -1)))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_takes_of_an_s3_store(s3, compression):
+    """Of object storage (moto S3), with no cache, a cache smaller than one chunk and the
+    default one: shuffled batches with repeats, and every row backwards."""
+    t = _data((200, 6), torch.float32, seed=8)
+    url = f"s3://acs-bucket/take-{uuid.uuid4().hex}.zarr"
+    _write(url, t, batch=50, compression=compression, chunk_rows=8, shard_rows=32, storage_options=s3)
+    g = np.random.default_rng(0)
+    for cache_bytes in (0, 50, 64 << 20):
+        st = open_store(url, storage_options=s3, cache_bytes=cache_bytes)
+        for k in (1, 7, 100):
+            idx = g.integers(0, 200, k).tolist()
+            assert _same(st.take("x", idx), t[idx]), (cache_bytes, idx)
+        assert _same(st.take("x", torch.arange(199, -1, -1, dtype=torch.int32)), t.flip(0))
+
+
+def test_an_alias_and_its_hook_point_share_their_decoded_chunks(tmp_path, monkeypatch):
+    """A hook point stored as another's alias reads the same array: its chunks are decoded and
+    cached once for both names (before: once per name, each chunk twice, twice the cache)."""
+    t = _data((40, 4), torch.float32, seed=9)
+    path = tmp_path / "s.zarr"
+    w = StoreWriter(path, compression="zstd", chunk_rows=4, shard_rows=8)
+    arr = w.open_array("x", (4,), torch.float32, "sample")
+    w.add_alias("y", "x")
+    arr.append(t)
+    w.add_batch(40, list(range(40)), None, {})
+    w.close()
+    st = open_store(path)
+    decoded = []
+    real = R.Store._decode_chunk
+    monkeypatch.setattr(R.Store, "_decode_chunk",
+                        lambda self, hp, meta, c, *a, **k: decoded.append(c) or real(self, hp, meta, c, *a, **k))
+    assert _same(st.take("x", range(39, -1, -1)), t.flip(0))
+    assert _same(st.take("y", range(40)), t) and _same(st.rows("y", 0, 40), t) and _same(st["y"], t)
+    assert sorted(decoded) == list(range(10)) and len(st._cache) == 10
+
+
+@pytest.mark.parametrize("idx", [[1, 30], [1, 70]])
+def test_a_refresh_to_another_run_while_the_rows_are_read(tmp_path, monkeypatch, idx):
+    """Another thread's ``refresh()`` shows a new run of fewer rows while ``take`` reads (after
+    it took the row boundaries of the old one): the take reads the new run's rows, or says a
+    row is past them (before: a missing shard blamed on damage, or rows [0, 100) out of range
+    for rows that are there)."""
+    old, new = _data((100, 4), torch.float32, seed=1), _data((40, 4), torch.float32, seed=2)
+    path = tmp_path / "s.zarr"
+    _write(path, old, chunk_rows=8, shard_rows=32)
+    st = open_store(path)
+    assert _same(st.take("x", idx), old[idx])
+    real, done = R.Store.segments, []
+
+    def then_replaced(self, hook_point):
+        bounds = real(self, hook_point)
+        if not done:
+            done.append(1)
+            _write(path, new, chunk_rows=8, shard_rows=32, overwrite=True)
+            self.refresh()  # (in another thread)
+        return bounds
+
+    monkeypatch.setattr(R.Store, "segments", then_replaced)
+    if max(idx) < 40:
+        assert _same(st.take("x", idx), new[idx])
+    else:
+        with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 70 out of range for hook point 'x' with 40 rows"):
+            st.take("x", idx)
