@@ -240,10 +240,9 @@ def test_shuffled_batches_take_the_plan_one_native_gather_each(data, monkeypatch
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_batch_within_one_mapped_segment_is_a_new_tensor_equal_to_index_select(tmp_path, threads):
-    """Rows of one segment (a whole mapped array) are copied on the intra-op threads by
-    torch.index_select (two threads, batches of 64 KiB and more), else by the native loop:
-    the batch equals plain indexing, is a new tensor, and writing into it changes nothing
-    stored."""
+    """Rows of one segment (a whole mapped array) are copied by the native loop on the
+    calling thread, with one intra-op thread or two: the batch equals plain indexing, is a
+    new tensor, and writing into it changes nothing stored."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -351,3 +350,63 @@ def test_a_worker_gathers_shuffled_batches_straight_into_shared_memory(tmp_path,
     got = [b["0.output"] for b in torch.utils.data.DataLoader(ActivationDataset(path), batch_sampler=sampler,
                                                              num_workers=2)]
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.complex128,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+           torch.uint64, torch.bool]
+
+
+@pytest.fixture(scope="module")
+def every_dtype(tmp_path_factory):
+    """A store of 1024 rows of (128,) per dtype, each array one mapped segment."""
+    from activationscope.store import StoreWriter
+
+    path = str(tmp_path_factory.mktemp("dtypes") / "d.zarr")
+    g = torch.Generator().manual_seed(0)
+    ref = {}
+    w = StoreWriter(path, chunk_rows=64)
+    for dt in _DTYPES:
+        if dt == torch.bool:
+            t = torch.rand(1024, 128, generator=g) > 0.5
+        elif dt.is_floating_point or dt.is_complex:
+            t = torch.randn(1024, 128, generator=g, dtype=torch.complex128 if dt.is_complex else torch.float64).to(dt)
+        else:  # every bit pattern, unsigned values past the signed range too
+            t = torch.randint(-2**62, 2**62, (1024, 128), generator=g, dtype=torch.int64).view(torch.uint8)[:, :128 * dt.itemsize]
+            t = t.contiguous().view(dt)
+        hp = str(dt).split(".")[1]
+        ref[hp] = t
+        w.open_array(hp, (128,), dt, "sample").append(t)
+    w.add_batch(1024)
+    w.close()
+    return path, ref
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_of_one_segment_equal_indexing_for_every_dtype(every_dtype, threads):
+    """Rows of one mapped segment (a whole uncompressed layer), every dtype, batches from 3
+    rows to 1024 (128 KiB and more of bool rows): byte for byte the rows of plain indexing,
+    through the dataset and through the native gather into a caller's tensor, on one intra-op
+    thread and on two."""
+    path, ref = every_dtype
+    gather = _native.load().gather_rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ds = ActivationDataset(path)
+        g = np.random.default_rng(threads)
+        batches = [g.integers(0, 1024, k).tolist() for k in (3, 300, 1024, 1024)]
+        batches.append(g.permutation(1024).tolist())
+        for hp, t in ref.items():
+            assert len(ds.source.boundaries(hp)) == 2, hp  # one segment
+            want_bytes = t.view(torch.uint8)
+            for idx in batches:
+                for got in (ds[idx][hp], collate(ds.__getitems__(idx))[hp]):
+                    assert got.dtype == t.dtype and got.shape == (len(idx), 128), hp
+                    assert torch.equal(got.view(torch.uint8), want_bytes[idx]), (hp, len(idx))
+                segs = ds.source._seg_lists[hp]
+                out = torch.empty(len(idx), 128, dtype=t.dtype)
+                rows, a, b, _ = gather(idx, 1024, 0, [0, 1024], segs, False, out)
+                assert rows is out and (a, b) == (-1, -1) and torch.equal(out.view(torch.uint8), want_bytes[idx]), hp
+    finally:
+        torch.set_num_threads(before)
