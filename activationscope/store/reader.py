@@ -34,7 +34,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -1516,8 +1516,19 @@ class Store:
             ``start`` or ``stop`` is not an int (a bool, a float, ...); a TypeError.
         RowIndexError
             Not ``0 <= start <= stop <= n_rows``; an IndexError (``start > stop`` says so,
-            naming both).
+            naming both). A ``refresh()`` of another thread that shows another run of the
+            store while this call reads (an overwrite replaced it) makes it read that run's
+            rows (rows past them are this error).
+        StoreCorruptError
+            A chunk or shard of those rows fails its checks.
+        StoreError
+            Another run replaced the store while the rows were read, three reads in a row.
         """
+        return self._of_the_commit_shown(f"rows [{start}, {stop}) of hook point {hook_point!r}",
+                                         lambda: self._rows_in_range(hook_point, start, stop))
+
+    def _rows_in_range(self, hook_point: str, start: Any, stop: Any) -> torch.Tensor:
+        """:meth:`rows`, of the commit shown when called."""
         n = self.n_rows(hook_point)
         try:
             if any(isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
@@ -1575,25 +1586,49 @@ class Store:
             them is this error).
         StoreCorruptError
             A chunk or shard of those rows fails its checks (as :meth:`rows`).
+        StoreError
+            Another run replaced the store while the rows were read, three reads in a row.
 
         Example
         -------
         >>> store.take("blocks.0.output", [17, 3, 99_000])        # doctest: +SKIP
         """
+        return self._of_the_commit_shown(
+            f"take({hook_point!r}, rows)",
+            lambda: self._take_checked(hook_point, _take_positions(hook_point, rows, self.n_rows(hook_point))))
+
+    def _of_the_commit_shown(self, what: str, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``read()`` (rows checked against the commit shown, then read: :meth:`rows`,
+        :meth:`take`), again when a ``refresh()`` of another thread showed another commit
+        while it read (a run that replaced it: its files, not the ones the rows were checked
+        against), twice at most: when it raised, and when it returned while another run was
+        shown (rows of both runs, maybe: one shard's file of each). A
+        :class:`StoreCorruptError` of the opened run's files is raised as such
+        (:meth:`_check_same_store`: a store replaced since is said as such); rows read while
+        a third run was shown, a :class:`StoreError` saying the store was replaced."""
         tries = 0
         while True:
             attrs = self._attrs
             try:
-                return self._take_checked(hook_point, _take_positions(hook_point, rows, self.n_rows(hook_point)))
+                out = read()
             except (StoreCorruptError, RowIndexError) as e:
                 tries += 1
                 if tries < 3 and self._attrs is not attrs:
-                    # a refresh() of another thread showed another commit while this one read (a run
-                    # that replaced it: its files, not the ones the rows were checked against): again, of it
-                    continue
+                    continue  # again, of the commit shown now
                 if isinstance(e, StoreCorruptError):
                     self._check_same_store()  # a store replaced under this reader is not damage
                 raise
+            now = self._attrs
+            if now is attrs or F.run_of(now) == F.run_of(attrs):
+                return out  # (a commit of the same run since: the rows read are committed rows of it too)
+            tries += 1
+            if tries < 3:
+                continue  # again, of the run shown now
+            was, new = F.run_of(attrs), F.run_of(now)
+            raise StoreError(
+                f"{what}: store at {str(self._backend)!r} was replaced while they were read, {tries} times (another "
+                f"run written in its place, overwrite=True, and shown by a refresh(): run {was[0] or was[1]}, now "
+                f"run {new[0] or new[1]}); read them again once no capture overwrites the store")
 
     def _take_checked(self, hook_point: str, idx: torch.Tensor) -> torch.Tensor:
         """:meth:`take` of checked store rows ``idx`` (int64, (k,), in range)."""

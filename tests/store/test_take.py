@@ -273,18 +273,22 @@ def test_a_refresh_of_a_replaced_store_between_the_check_and_the_read(tmp_path, 
     _write(path, old, compression=compression, chunk_rows=8, shard_rows=32)
     st = open_store(path)
     assert _same(st.take("x", [1, 90]), old[[1, 90]])
-    real = R._take_positions
+    real, fired = R._take_positions, []
 
     def then_replaced(hook_point, rows, n):
         idx = real(hook_point, rows, n)
-        _write(path, new, compression=compression, chunk_rows=8, shard_rows=32, overwrite=True)
-        st.refresh()  # (in another thread)
+        if not fired:  # (once a take: a run that replaced the store during each read is refused)
+            fired.append(1)
+            _write(path, new, compression=compression, chunk_rows=8, shard_rows=32, overwrite=True)
+            st.refresh()  # (in another thread)
         return idx
 
     monkeypatch.setattr(R, "_take_positions", then_replaced)
     with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 90 out of range for hook point 'x' with 40 rows"):
         st.take("x", [90, 1])
+    fired.clear()
     assert _same(st.take("x", [39, 1]), new[[39, 1]])
+    assert fired
 
 
 def test_a_wrong_index_is_told_the_fix_for_its_kind(tmp_path):
@@ -487,3 +491,26 @@ def test_a_refresh_to_another_run_while_the_rows_are_read(tmp_path, monkeypatch,
     else:
         with pytest.raises(RowIndexError, match=r"take\('x', rows\): row 70 out of range for hook point 'x' with 40 rows"):
             st.take("x", idx)
+
+
+def test_a_take_spanning_shards_is_never_of_two_runs(tmp_path, monkeypatch):
+    """A refresh() of another thread shows a replacing run after ``take`` read the rows of its
+    first shard, of the old run: the take reads again, all of the new run (before: the first
+    shard's rows of the old run, the next shard's of the new, with no error)."""
+    small, big = _data((40, 4), torch.float32, seed=2), _data((100, 4), torch.float32, seed=1)
+    path = tmp_path / "s.zarr"
+    _write(path, small, chunk_rows=8, shard_rows=32)
+    st = open_store(path)
+    assert _same(st.take("x", [23, 37]), small[[23, 37]])
+    real, calls = R.Store._read_rows, []
+
+    def then_replaced(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            _write(path, big, chunk_rows=8, shard_rows=32, overwrite=True)
+            self.refresh()  # (in another thread)
+        return out
+
+    monkeypatch.setattr(R.Store, "_read_rows", then_replaced)
+    assert _same(st.take("x", [23, 37]), big[[23, 37]])

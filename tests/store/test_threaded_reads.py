@@ -1,16 +1,19 @@
 """One opened store read from several threads while another thread refreshes it (a live
 capture or a resume growing the store meanwhile). Each interleaving that went wrong is
 forced here deterministically: a slow point of one reader (monkeypatched) runs the other
-thread's ``refresh()`` (or read) right there."""
+thread's ``refresh()`` (or read) right there; one test also races real threads (readers
+while another thread overwrites the store and refreshes it)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
 import torch
 
-from activationscope.store import open_store
+from activationscope.errors import RowIndexError, StoreError
+from activationscope.store import StoreWriter, open_store
 from activationscope.store import reader as R
 from acs_testing import write_rows
 
@@ -166,3 +169,132 @@ def test_two_threads_refreshing_at_once_never_take_the_store_back_to_an_older_co
     st.refresh()
     assert fired
     assert st.n_rows(HP) == 100 and torch.equal(st.rows(HP, 90, 100), data[90:])
+
+
+def _write_run(path, data, compression) -> None:
+    """A new run of the store at ``path`` (``overwrite=True``): ``data`` as array ``x``."""
+    w = StoreWriter(path, overwrite=True, compression=compression, chunk_rows=8, shard_rows=32)
+    w.open_array(HP, tuple(data.shape[1:]), data.dtype, "sample").append(data)
+    w.add_batch(len(data))
+    w.close()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("start,stop", [(1, 30), (50, 90), (1, 70)])
+def test_a_refresh_to_another_run_while_rows_are_read(tmp_path, monkeypatch, compression, start, stop):
+    """Another thread overwrites the store with a run of fewer rows and refreshes it while
+    ``rows()`` reads (after it took the array's entry of the old run): the rows are read again,
+    of the new run, or are said to be past its rows (before: a missing shard, or an array
+    document at odds with the root, blamed on damage of an intact store)."""
+    old = torch.randn(100, 3, generator=torch.Generator().manual_seed(1))
+    new = torch.randn(40, 3, generator=torch.Generator().manual_seed(2))
+    path = str(tmp_path / "s.zarr")
+    _write_run(path, old, compression)
+    st = open_store(path)
+    assert torch.equal(st.rows(HP, start, stop), old[start:stop])
+
+    def replaced(self):
+        _write_run(path, new, compression)
+        self.refresh()  # (in another thread)
+
+    fired = _once(monkeypatch, R.Store, "_mappable", replaced)
+    if stop <= 40:
+        assert torch.equal(st.rows(HP, start, stop), new[start:stop])
+    else:
+        with pytest.raises(RowIndexError, match=rf"rows \[{start}, {stop}\) out of range for hook point 'x' with 40 "
+                                                 r"rows: start and stop must satisfy 0 <= start <= stop <= 40"):
+            st.rows(HP, start, stop)
+    assert fired
+
+
+def test_rows_spanning_shards_are_never_of_two_runs(tmp_path, monkeypatch):
+    """A refresh() of another thread shows a replacing run after ``rows()`` mapped the first
+    shard of its rows, of the old run: the rows are read again, all of the new run (before:
+    the first shard's rows of the old run, the next shard's of the new, with no error)."""
+    small = torch.randn(40, 3, generator=torch.Generator().manual_seed(2))
+    big = torch.randn(100, 3, generator=torch.Generator().manual_seed(1))
+    path = str(tmp_path / "s.zarr")
+    _write_run(path, small, None)
+    st = open_store(path)
+    assert torch.equal(st.rows(HP, 23, 38), small[23:38])
+    real, calls = R.Store._mapped_rows, []
+
+    def then_replaced(self, *args):
+        out = real(self, *args)
+        calls.append(1)
+        if len(calls) == 1:
+            _write_run(path, big, None)
+            self.refresh()  # (in another thread)
+        return out
+
+    monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
+    assert torch.equal(st.rows(HP, 23, 38), big[23:38])
+
+
+def test_rows_read_while_each_read_is_replaced_are_refused_after_three_reads(tmp_path, monkeypatch):
+    """Another run shown by a refresh() during each read: three reads, then the error saying
+    the store was replaced while they were read (not rows of another run, not a loop)."""
+    runs = [torch.randn(100, 3, generator=torch.Generator().manual_seed(1)),
+            torch.randn(40, 3, generator=torch.Generator().manual_seed(2))]
+    path = str(tmp_path / "s.zarr")
+    _write_run(path, runs[0], None)
+    st = open_store(path)
+    assert torch.equal(st.rows(HP, 1, 30), runs[0][1:30])
+    real, calls = R.Store._mapped_rows, []
+
+    def then_replaced(self, *args):
+        out = real(self, *args)
+        calls.append(1)
+        _write_run(path, runs[len(calls) % 2], None)
+        self.refresh()  # (in another thread)
+        return out
+
+    monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
+    with pytest.raises(StoreError, match=r"rows \[1, 30\) of hook point 'x': store at .* was replaced while they were "
+                                         r"read, 3 times .*read them again once no capture overwrites the store"):
+        st.rows(HP, 1, 30)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_rows_read_while_another_thread_overwrites_and_refreshes(tmp_path, compression):
+    """Reader threads read ``rows()`` while another thread writes new runs in the store's place
+    (``overwrite=True``) and refreshes it: each read is the rows of one of the two runs, or a
+    RowIndexError (rows past the run shown), or the error saying the store was replaced (read
+    between the overwrite and the refresh); never damage of an intact store."""
+    runs = [torch.randn(100, 3, generator=torch.Generator().manual_seed(1)),
+            torch.randn(40, 3, generator=torch.Generator().manual_seed(2))]
+    path = str(tmp_path / "s.zarr")
+    _write_run(path, runs[0], compression)
+    st = open_store(path)
+    done, wrong, failed = threading.Event(), [], []
+
+    def read(seed):
+        g = torch.Generator().manual_seed(seed)
+        while not done.is_set():
+            start = int(torch.randint(0, 100, (1,), generator=g))
+            stop = int(torch.randint(start, 101, (1,), generator=g))
+            try:
+                got = st.rows(HP, start, stop)
+            except RowIndexError:
+                continue
+            except StoreError as e:
+                if type(e) is not StoreError or not re.search(r"was (replaced|removed or moved)", str(e)):
+                    failed.append(e)
+                continue
+            if not any(stop <= len(t) and torch.equal(got, t[start:stop]) for t in runs):
+                wrong.append((start, stop))
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in range(3)]
+    for th in threads:
+        th.start()
+    try:
+        for i in range(1, 13):
+            _write_run(path, runs[i % 2], compression)
+            st.refresh()
+    finally:
+        done.set()
+        for th in threads:
+            th.join()
+    assert not failed, failed[:3]
+    assert not wrong, wrong[:3]
