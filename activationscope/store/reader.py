@@ -1295,6 +1295,9 @@ class Store:
         StoreError
             The read is a copy (not a view) of more bytes than 90% of the memory the system
             has available (``MemAvailable``): read it in slices or through ``ActivationDataset``.
+            Or another run replaced the store while the rows were read, three reads in a row
+            (a ``refresh()`` of another thread that shows another run while this one reads
+            makes it read that run's rows, as :meth:`rows` does).
         """
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], slice):
@@ -1305,6 +1308,12 @@ class Store:
             hook_point, sl = key
         else:
             hook_point, sl = key, slice(None)
+        ends = [("" if v is None else str(v)) for v in (sl.start, sl.stop)] + ([] if sl.step is None else [str(sl.step)])
+        shown = f"store[{hook_point!r}" + ("]" if not any(ends) else f", {':'.join(ends)}]")
+        return self._of_the_commit_shown(shown, lambda: self._slice_rows(hook_point, sl))
+
+    def _slice_rows(self, hook_point: str, sl: slice) -> torch.Tensor:
+        """``store[hook_point, sl]`` of the commit shown when called (:meth:`__getitem__`)."""
         n = self.n_rows(hook_point)
         try:
             start, stop, step = sl.indices(n)
