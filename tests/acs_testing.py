@@ -210,6 +210,22 @@ def write_rows(path, data, hook_point="x", *, resume=False, compression=None):
     w.close()
 
 
+def write_batches(target, t, *, batch: int = 7, **options) -> None:
+    """A store of one sample-row array ``x`` holding ``t`` (rows, features), written
+    ``batch`` rows per commit (sample ids 0, 1, ...); ``options`` go to the StoreWriter
+    (compression, chunk_rows, shard_rows, ...)."""
+    from activationscope.store import StoreWriter
+
+    w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
+    arr = w.open_array("x", tuple(t.shape[1:]), t.dtype, "sample")
+    for s in range(0, t.shape[0], batch):
+        e = min(t.shape[0], s + batch)
+        arr.append(t[s:e])
+        w.add_batch(e - s, list(range(s, e)), None, {})
+        w.commit()
+    w.close()
+
+
 def record_biggest_pread(monkeypatch) -> list:
     """Patch ``os.pread`` (undone with ``monkeypatch.undo()``) to note the largest read asked
     for: returns ``[n]``, updated as reads happen."""

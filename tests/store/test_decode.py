@@ -11,21 +11,13 @@ import zarr
 from hypothesis import given, settings, strategies as st
 
 from activationscope.errors import StoreCorruptError
-from activationscope.store import StoreWriter, open_store
+from activationscope.store import open_store
 from activationscope.store import _decode
+from acs_testing import write_batches as _write
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.bool]
 
 
-def _write(target, t: torch.Tensor, *, batch: int = 7, **options) -> None:
-    w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
-    arr = w.open_array("x", tuple(t.shape[1:]), t.dtype, "sample")
-    for s in range(0, t.shape[0], batch):
-        e = min(t.shape[0], s + batch)
-        arr.append(t[s:e])
-        w.add_batch(e - s, list(range(s, e)), None, {})
-        w.commit()
-    w.close()
 
 
 def _data(shape, dtype, seed=0) -> torch.Tensor:

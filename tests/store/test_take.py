@@ -16,19 +16,11 @@ import activationscope as acs
 from activationscope.errors import ArgumentTypeError, ArgumentValueError, RowIndexError, StoreCorruptError
 from activationscope.store import StoreWriter, open_store
 from activationscope.store import reader as R
+from acs_testing import write_batches as _write
 
 N = 61
 
 
-def _write(target, t: torch.Tensor, *, batch: int = 7, **options) -> None:
-    w = StoreWriter(target, capture_config={}, model=None, storage_dtype=None, **options)
-    arr = w.open_array("x", tuple(t.shape[1:]), t.dtype, "sample")
-    for s in range(0, t.shape[0], batch):
-        e = min(t.shape[0], s + batch)
-        arr.append(t[s:e])
-        w.add_batch(e - s, list(range(s, e)), None, {})
-        w.commit()
-    w.close()
 
 
 def _data(shape, dtype, seed=0) -> torch.Tensor:

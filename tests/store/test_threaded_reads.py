@@ -207,16 +207,28 @@ def test_a_refresh_to_another_run_while_rows_are_read(tmp_path, monkeypatch, com
     assert fired
 
 
-def test_rows_spanning_shards_are_never_of_two_runs(tmp_path, monkeypatch):
-    """A refresh() of another thread shows a replacing run after ``rows()`` mapped the first
-    shard of its rows, of the old run: the rows are read again, all of the new run (before:
-    the first shard's rows of the old run, the next shard's of the new, with no error)."""
+# (each way of reading rows [23, 38) of a store of 32-row shards: rows(), slices of any step)
+SPANS = {
+    "rows": (lambda st: st.rows(HP, 23, 38), lambda t: t[23:38]),
+    "slice": (lambda st: st[HP, 23:38], lambda t: t[23:38]),
+    "slice-step": (lambda st: st[HP, 23:38:2], lambda t: t[23:38:2]),
+    "slice-reversed": (lambda st: st[HP, 37:22:-1], lambda t: t[23:38].flip(0)),
+}
+
+
+@pytest.mark.parametrize("how", list(SPANS))
+def test_rows_spanning_shards_are_never_of_two_runs(tmp_path, monkeypatch, how):
+    """A refresh() of another thread shows a replacing run after ``rows()`` (or
+    ``store[hp, a:b]``) mapped the first shard of its rows, of the old run: the rows are read
+    again, all of the new run (before: the first shard's rows of the old run, the next shard's
+    of the new, with no error)."""
+    read, want = SPANS[how]
     small = torch.randn(40, 3, generator=torch.Generator().manual_seed(2))
     big = torch.randn(100, 3, generator=torch.Generator().manual_seed(1))
     path = str(tmp_path / "s.zarr")
     _write_run(path, small, None)
     st = open_store(path)
-    assert torch.equal(st.rows(HP, 23, 38), small[23:38])
+    assert torch.equal(read(st), want(small))
     real, calls = R.Store._mapped_rows, []
 
     def then_replaced(self, *args):
@@ -228,18 +240,22 @@ def test_rows_spanning_shards_are_never_of_two_runs(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
-    assert torch.equal(st.rows(HP, 23, 38), big[23:38])
+    assert torch.equal(read(st), want(big))
+    assert calls
 
 
-def test_rows_read_while_each_read_is_replaced_are_refused_after_three_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read,what", [(lambda st: st.rows(HP, 1, 30), r"rows \[1, 30\) of hook point 'x'"),
+                                       (lambda st: st[HP, 1:30], r"store\['x', 1:30\]")], ids=["rows", "slice"])
+def test_rows_read_while_each_read_is_replaced_are_refused_after_three_reads(tmp_path, monkeypatch, read, what):
     """Another run shown by a refresh() during each read: three reads, then the error saying
-    the store was replaced while they were read (not rows of another run, not a loop)."""
+    the store was replaced while they were read, naming the read (not rows of another run, not
+    a loop)."""
     runs = [torch.randn(100, 3, generator=torch.Generator().manual_seed(1)),
             torch.randn(40, 3, generator=torch.Generator().manual_seed(2))]
     path = str(tmp_path / "s.zarr")
     _write_run(path, runs[0], None)
     st = open_store(path)
-    assert torch.equal(st.rows(HP, 1, 30), runs[0][1:30])
+    assert torch.equal(read(st), runs[0][1:30])
     real, calls = R.Store._mapped_rows, []
 
     def then_replaced(self, *args):
@@ -250,9 +266,9 @@ def test_rows_read_while_each_read_is_replaced_are_refused_after_three_reads(tmp
         return out
 
     monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
-    with pytest.raises(StoreError, match=r"rows \[1, 30\) of hook point 'x': store at .* was replaced while they were "
+    with pytest.raises(StoreError, match=what + r": store at .* was replaced while they were "
                                          r"read, 3 times .*read them again once no capture overwrites the store"):
-        st.rows(HP, 1, 30)
+        read(st)
     assert len(calls) == 3
 
 
@@ -299,53 +315,3 @@ def test_rows_read_while_another_thread_overwrites_and_refreshes(tmp_path, compr
     assert not failed, failed[:3]
     assert not wrong, wrong[:3]
 
-
-@pytest.mark.parametrize("key", [(HP, slice(23, 38)), (HP, slice(23, 38, 2)), (HP, slice(37, 22, -1))])
-def test_a_slice_spanning_shards_is_never_of_two_runs(tmp_path, monkeypatch, key):
-    """``store[hook_point, a:b]`` reads as ``rows()`` does: a refresh() of another thread that
-    shows a replacing run after the first shard of the slice was read makes it read the slice
-    again, all of the new run (before: the first shard's rows of the old run, the next
-    shard's of the new, with no error)."""
-    small = torch.randn(40, 3, generator=torch.Generator().manual_seed(2))
-    big = torch.randn(100, 3, generator=torch.Generator().manual_seed(1))
-    path = str(tmp_path / "s.zarr")
-    _write_run(path, small, None)
-    st = open_store(path)
-    assert torch.equal(st[key], small[key[1]] if key[1].step != -1 else small[22 + 1:38].flip(0))
-    real, calls = R.Store._mapped_rows, []
-
-    def then_replaced(self, *args):
-        out = real(self, *args)
-        calls.append(1)
-        if len(calls) == 1:
-            _write_run(path, big, None)
-            self.refresh()  # (in another thread)
-        return out
-
-    monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
-    want = big[key[1]] if key[1].step != -1 else big[23:38].flip(0)
-    assert torch.equal(st[key], want)
-    assert calls
-
-
-def test_a_slice_read_while_each_read_is_replaced_is_refused_after_three_reads(tmp_path, monkeypatch):
-    """Another run shown by a refresh() during each read of ``store[hp, a:b]``: three reads,
-    then the error saying the store was replaced while they were read, naming the slice."""
-    runs = [torch.randn(100, 3, generator=torch.Generator().manual_seed(1)),
-            torch.randn(40, 3, generator=torch.Generator().manual_seed(2))]
-    path = str(tmp_path / "s.zarr")
-    _write_run(path, runs[0], None)
-    st = open_store(path)
-    real, calls = R.Store._mapped_rows, []
-
-    def then_replaced(self, *args):
-        out = real(self, *args)
-        calls.append(1)
-        _write_run(path, runs[len(calls) % 2], None)
-        self.refresh()  # (in another thread)
-        return out
-
-    monkeypatch.setattr(R.Store, "_mapped_rows", then_replaced)
-    with pytest.raises(StoreError, match=r"store\['x', 1:30\]: store at .* was replaced while they were read, 3 times"):
-        st[HP, 1:30]
-    assert len(calls) == 3
