@@ -1672,10 +1672,7 @@ class Store:
         still read whole). The chunks are taken in store order, at most half the cache at a time
         (at least one): the rows of each such group of chunks are gathered together, in store
         order, and then put in the batch's order."""
-        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
-            with self._lock:
-                self._inflight.clear()
-                self._pid = os.getpid()
+        self._forget_parent_decodes()
         feat, dtype = tuple(meta["feature_shape"]), F.torch_dtype(meta["dtype"])
         _row_bytes, chunk_rows, shard_chunks, per_chunk = _layout(meta)
         n = int(meta["n_rows"])
@@ -1721,6 +1718,14 @@ class Store:
         # stalls for milliseconds)
         _gather_into(out, where, runs)
         return out
+
+    def _forget_parent_decodes(self) -> None:
+        """In a forked child (a DataLoader worker), drop the decode futures the parent had in
+        flight: their threads are not in this process, so they never finish here."""
+        if self._pid != os.getpid():
+            with self._lock:
+                self._inflight.clear()
+                self._pid = os.getpid()
 
     def _decoded_chunks(self, hook_point: str, meta: dict, chunks: list[int]) -> list[torch.Tensor]:
         """The decoded chunks ``chunks`` (ascending) of an array read by decoding, the tensors
@@ -2955,10 +2960,7 @@ class Store:
         per_chunk = chunk_rows * V.row_bytes(meta)
         if per_chunk <= 0 or n == 0:
             return
-        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
-            with self._lock:
-                self._inflight.clear()
-                self._pid = os.getpid()
+        self._forget_parent_decodes()
         wanted = sorted({int(r) // chunk_rows for r in rows if 0 <= int(r) < n})
         if not local and n * V.row_bytes(meta) <= self._cache_bytes // 4:  # an array that fits in the cache:
             # each whole shard (its other rows are read by the batches that follow), as a read of one row does
@@ -2995,10 +2997,7 @@ class Store:
         of this hook point stopped (a sequential reader) also starts decoding the next chunks.
         Reads larger than half the cache decode straight into the result, without caching.
         """
-        if self._pid != os.getpid():  # forked: the parent's decode futures never finish here
-            with self._lock:
-                self._inflight.clear()
-                self._pid = os.getpid()
+        self._forget_parent_decodes()
         dtype = F.torch_dtype(meta["dtype"])
         feat = tuple(meta["feature_shape"])
         chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
