@@ -434,7 +434,13 @@ class _Reductions(Mapping):
         entries = self._store._complete_reductions().get(hook_point)
         if entries is None:
             # (the resume in Python: store_options needs store=, refused without it)
-            resume = f"ActivationScope(store={self._store.path!r}, store_options={{'resume': True}}, reductions=...)"
+            # (and the storage_options it was opened with: their keys, never their values, which may be
+            # credentials, as ActivationScope's repr shows them)
+            opened = self._store._open_options.get("storage_options")
+            so = (f", 'storage_options': {({k: '...' for k in opened})!r}" if isinstance(opened, Mapping)
+                  else "")
+            resume = (f"ActivationScope(store={self._store.path!r}, store_options={{'resume': True{so}}}, "
+                      "reductions=...)")
             partial = self._store.partial_reductions.get(hook_point)
             why = (f"; its reductions {sorted(partial)} cover only part of its rows (see store.partial_reductions)"
                    if partial else "")

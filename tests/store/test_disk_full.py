@@ -411,6 +411,13 @@ def test_reductions_over_more_rows_than_a_failed_close_committed_say_so(tmp_path
     assert "only part of its rows" not in msg and "resume=True with the same reductions=" in msg, msg
     # the Python call it gives names the store (store_options without store= is refused)
     assert f"(ActivationScope(store={str(path)!r}, store_options={{'resume': True}}, reductions=...)" in msg, msg
+    # opened with storage_options (object storage's credentials): the call names them, not their values
+    with pytest.raises(KeyError) as e:
+        open_store(f"file://{path}", storage_options={"key": "AKIAEXAMPLE", "secret": "s3cr3t"}).reductions["fc1.output"]
+    msg = str(e.value)
+    assert (f"(ActivationScope(store={str(path)!r}, store_options={{'resume': True, 'storage_options': "
+            "{'key': '...', 'secret': '...'}}, reductions=...)") in msg, msg
+    assert "AKIAEXAMPLE" not in msg and "s3cr3t" not in msg
 
 
 def test_a_store_folder_removed_under_a_running_capture_is_said_so(tmp_path):
