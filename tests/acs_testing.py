@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import shutil
 import sys
 import threading
 import weakref
@@ -256,6 +257,16 @@ def store_target(request, where: str, prefix: str = "race", bucket: str = "acs-b
     return f"memory://acs/{name}", None
 
 
+_KILLED_FOLDERS: list[str] = []  # made by die_at, removed by remove_killed_folders
+_RMTREE = shutil.rmtree  # (die_at replaces shutil.rmtree while it is in force)
+
+
+def remove_killed_folders() -> None:
+    """Remove the temporary folders :func:`die_at` made (conftest: after each test)."""
+    while _KILLED_FOLDERS:
+        _RMTREE(_KILLED_FOLDERS.pop(), ignore_errors=True)
+
+
 class Killed(BaseException):
     """Stands for a process dying (nothing of it runs after it): raised by :func:`die_at`."""
 
@@ -267,7 +278,6 @@ def die_at(monkeypatch, step: int) -> list:
     partway through a folder first removes every other file of it, as a death mid-way would).
     Returns the operations made before it, ``("set" | "delete", key or path)``, in order;
     ``monkeypatch.undo()`` ends it."""
-    import atexit
     import shutil
     import tempfile
     from pathlib import Path
@@ -275,9 +285,9 @@ def die_at(monkeypatch, step: int) -> list:
     from activationscope.store import _backend as B
 
     # (the temporary folders of a writer that "dies" here, such as a remote store's staging
-    # folder, go in one removed when the test process exits)
+    # folder, go in one removed when the test ends: conftest's remove_killed_folders)
     tmp = tempfile.mkdtemp(prefix="acs-killed-")
-    atexit.register(shutil.rmtree, tmp, True)
+    _KILLED_FOLDERS.append(tmp)
     monkeypatch.setattr(tempfile, "tempdir", tmp)
     done: list = []
 

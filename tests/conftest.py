@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from acs_testing import SmallCNN, small_transformer, toy_mlp  # noqa: F401
+from acs_testing import SmallCNN, remove_killed_folders, small_transformer, toy_mlp  # noqa: F401
 
 try:  # property tests draw the same examples in every run (a CI run fails only where the code does);
     # HYPOTHESIS_PROFILE=explore draws new ones, to look for more
@@ -45,6 +45,13 @@ DEVICES = [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _killed_folders_removed():
+    """The temporary folders of writers a test "killed" (acs_testing.die_at) go when it ends."""
+    yield
+    remove_killed_folders()
 
 
 @pytest.fixture(params=DEVICES)

@@ -28,7 +28,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import types
@@ -47,6 +46,7 @@ from . import _validate as V
 from ._backend import (LocalBackend, _foreign_names, check_backend_not_in_store, rank_stores_allowed,
                        refuse_foreign_entries, resolve, write_root_first)
 from ._lock import WriterLock, refuse_rank_writers, writer_holding
+from ._staging import make_staging_folder, remove_staging_folder
 from .reader import (Store, _no_rank_column, _sub_backend, capture_again_run_id, check_rank_column_types,
                      listed_rank_stores, rank_store_run_id, ranks_run_id, split_rank_stores_by_run)
 from .reader import other_feature_shape
@@ -1432,7 +1432,7 @@ def _commit_ranks_held(b: Any, target: Any, storage_options: dict | None,
         fulls = [n // S for n in ns]
         F_total = sum(fulls)
         nd = len(meta["feature_shape"])
-        staging = None if local else tempfile.mkdtemp(prefix="acs-commit-")
+        staging, lock_fd = (None, None) if local else make_staging_folder("acs-commit-")
         try:
             array_dir = b.root / path if local else Path(staging) / path
             manifest: list[dict] = []
@@ -1473,7 +1473,7 @@ def _commit_ranks_held(b: Any, target: Any, storage_options: dict | None,
                                  "chunks": [[int(j), int(o), int(nb), int(c)] for (j, o, nb, c) in rec["chunks"]]})
         finally:  # also when a write fails: the tails written there are of no use
             if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
+                remove_staging_folder(staging, lock_fd)
         n_total = sum(ns)
         follows = all(bool(s.attrs["arrays"][hp].get("follows_row_table", True)) for s in held)
         # every full shard is committed by this commit's root (written last; a rerun writes the same

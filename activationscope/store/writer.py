@@ -30,7 +30,6 @@ import re
 import shutil
 import stat
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -69,6 +68,7 @@ from ._backend import _inside as _inside_folder
 from ._backend import folds_names as _folds_names
 from ._format import KEPT_SUFFIX, committed_reduction_files, committed_reduction_groups
 from ._lock import WriterLock, refuse_rank_writers
+from ._staging import make_staging_folder, remove_staging_folder
 
 
 ROW_KINDS = F.ROW_KINDS
@@ -154,18 +154,19 @@ _folded = F.folded
 _spelled = F.spelled_alike
 
 
-def _remove_staging(core: Any, staging: str, pid: int) -> None:
+def _remove_staging(core: Any, staging: str, pid: int, lock_fd: int | None) -> None:
     """Stop the native writer thread of ``core`` (it writes shards into ``staging``), then
-    remove the staging folder of a remote store's writer: a ``weakref.finalize`` callback, so
-    it holds no reference to the writer. Does nothing in a forked child (the folder, and the
-    writer thread, are its parent's). Never raises."""
+    remove the staging folder of a remote store's writer and close its lock file ``lock_fd``
+    (``store/_staging.py``): a ``weakref.finalize`` callback, so it holds no reference to the
+    writer. Does nothing in a forked child (the folder, the lock and the writer thread are its
+    parent's). Never raises."""
     if os.getpid() != pid:
         return
     try:
         core.close()  # (idempotent) no shard is written into the folder after this
     except Exception:  # noqa: BLE001 - a finalizer: never raises
         pass
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_staging_folder(staging, lock_fd)
 
 
 _NAN_ID = ("nan",)  # every NaN float id, in _SampleIds' set
@@ -1152,7 +1153,12 @@ class StoreWriter:
     local staging folder ``acs-staging-*`` in :func:`tempfile.gettempdir` (``$TMPDIR``) and
     uploads it at the commit that lists it. The folder is removed by :meth:`close`,
     :meth:`abort` and :meth:`discard`, and also when the writer fails to open, is dropped
-    unclosed or is left open at interpreter exit; only a killed process leaves it.
+    unclosed or is left open at interpreter exit. A killed process (``SIGKILL``, the
+    out-of-memory killer, a preempted job) leaves it, with the shards it never uploaded; the
+    next remote store's writer of this user on the host removes it (a lock file in the folder,
+    whose ``flock`` the kernel releases when its writer's process ends, tells a dead writer's
+    folder from a live one's; where ``flock`` cannot be taken, the folder has no lock file and
+    is left).
 
     Raises
     ------
@@ -1569,13 +1575,14 @@ class StoreWriter:
             self._staging = self._backend.root
             self._own_staging = False
         else:
-            self._staging = Path(tempfile.mkdtemp(prefix="acs-staging-"))
+            # (the folders of writers killed before, on this host, go first: store/_staging.py)
+            self._staging, lock_fd = make_staging_folder("acs-staging-")
             self._own_staging = True
             # removed by close / abort / discard, and also when the writer fails to open, is
             # dropped without a close, or is left open at interpreter exit: its shards there
             # were never uploaded, and a resume captures their rows again
             self._staging_finalizer = weakref.finalize(self, _remove_staging, self._core, str(self._staging),
-                                                       os.getpid())
+                                                       os.getpid(), lock_fd)
         self._threads_stopped = False
         self._arrays: dict[str, _Array] = {}
         # _refuse_folded_node: the folded node name of each array -> (hook point, node name)

@@ -1,0 +1,141 @@
+"""The local staging folders of remote stores' writers (``acs-staging-*``, ``acs-commit-*`` in
+:func:`tempfile.gettempdir`, that is ``$TMPDIR``).
+
+A writer of a remote store writes each shard into a local folder of its own and uploads it at
+the commit that lists it (see :class:`~activationscope.store.StoreWriter`); the merge of a
+multi-rank store does the same for the shards it rewrites. The writer removes its folder when
+it closes, aborts or is dropped; a process killed (``SIGKILL``, the out-of-memory killer, a
+preempted job) cannot, and its folder keeps the shards it never uploaded, as much as the
+writer's pending budget.
+
+So each folder holds :data:`LOCK_NAME`, whose ``flock`` its writer holds as long as it lives:
+the kernel releases it when the process ends, however it ends. :func:`make_staging_folder`
+first removes the folders of the current user whose lock no process holds (their shards were
+never uploaded, and a resume captures their rows again), then makes the new one. The lock is
+taken on a file of another name, renamed to :data:`LOCK_NAME` only once held, so that no
+folder is ever seen unlocked while its writer lives. A folder without :data:`LOCK_NAME` (one
+being made, or where ``flock`` cannot be taken) is never removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+#: The lock file in each staging folder; its writer holds its ``flock`` while it lives.
+LOCK_NAME = ".activationscope-staging.lock"
+
+#: The prefixes of the staging folders (a remote store's writer; the merge of a multi-rank store).
+PREFIXES = ("acs-staging-", "acs-commit-")
+
+
+def _take_lock(fd: int) -> bool:
+    """Take the exclusive ``flock`` of ``fd`` without blocking: False when a process holds it
+    (or ``flock`` cannot be taken here)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[str]:
+    """Remove the staging folders in ``tmp`` (default :func:`tempfile.gettempdir`) that writers
+    of processes now gone left: a folder named ``acs-staging-*`` or ``acs-commit-*``, not a
+    link, owned by this user, whose :data:`LOCK_NAME` (a regular file, not a link) this process
+    can lock. A folder whose lock a live process holds (its writer, or a process forked from
+    it), or that has no lock file, is left. Returns the paths removed. Never raises: a folder
+    that cannot be read or removed is left as it is."""
+    root = Path(tmp) if tmp is not None else Path(tempfile.gettempdir())
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        if not entry.name.startswith(PREFIXES):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            fd = os.open(os.path.join(entry.path, LOCK_NAME),
+                         os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK)
+        except OSError:  # (no lock file: being made, made where flock fails, or by an older version)
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != st.st_uid:
+                continue
+            if not _take_lock(fd):  # (held: its writer lives)
+                continue
+            # no process holds it: the folder's writer is gone (locked by this process while removed)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.lexists(entry.path):
+                removed.append(entry.path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def make_staging_folder(prefix: str = "acs-staging-") -> tuple[Path, int | None]:
+    """Make a new staging folder ``<prefix>*`` in :func:`tempfile.gettempdir` holding the
+    ``flock`` of its :data:`LOCK_NAME` (the open file returned, to close with
+    :func:`remove_staging_folder`), after removing the folders dead writers left
+    (:func:`remove_dead_staging_folders`). The lock file holds ``{"pid", "host", "started"}``
+    of this process, for whoever looks. Where ``flock`` cannot be taken (no ``fcntl``, a file
+    system without locks) the folder has no lock file and the returned file is None: it is
+    removed only by its writer.
+
+    Raises
+    ------
+    OSError
+        The folder cannot be made (``$TMPDIR`` missing, full or read-only).
+    """
+    if prefix not in PREFIXES:
+        raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
+    remove_dead_staging_folders()
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    taking = folder / (LOCK_NAME + ".new")
+    fd: int | None = None
+    try:
+        fd = os.open(taking, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+        if not _take_lock(fd):
+            raise OSError("flock")
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        os.rename(taking, folder / LOCK_NAME)  # (the lock is on the file: held under its new name)
+    except OSError:  # (no lock here: the folder stays without one, removed by its writer alone)
+        if fd is not None:
+            os.close(fd)
+            fd = None
+        try:
+            os.unlink(taking)
+        except OSError:
+            pass
+    return folder, fd
+
+
+def remove_staging_folder(folder: str | os.PathLike, fd: int | None) -> None:
+    """Remove a staging folder made by :func:`make_staging_folder`, then close its lock file
+    ``fd`` (so no other process takes the folder for a dead writer's while it goes). Never
+    raises."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,167 @@
+"""The local staging folders of remote stores' writers (store/_staging.py): a folder left by a
+killed process is removed by the next writer on the host; a live writer's never is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import activationscope as acs
+from activationscope.store import StoreWriter
+from activationscope.store import _staging as S
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="flock and fork: POSIX")
+
+_REPO = str(Path(acs.__file__).parents[1])
+
+
+@pytest.fixture
+def staging_dir(tmp_path, monkeypatch):
+    """``tempfile``'s folder in this test (as ``$TMPDIR`` sets it), for this process and the
+    scripts it runs."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _script(staging_dir, body: str) -> subprocess.Popen:
+    """Run ``body`` in a fresh interpreter with ``$TMPDIR`` = ``staging_dir``: its stdout a pipe
+    (the script prints one JSON line when it has made its folder), its stdin a pipe."""
+    env = {**os.environ, "TMPDIR": str(staging_dir),
+           "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# a remote store's writer with shards staged (written, never uploaded), then the process is
+# killed (SIGKILL: no finalizer, no atexit), or waits for a line on stdin and closes
+_WRITER = """
+    import json, os, signal, sys, tempfile
+    import torch
+    from activationscope.store import StoreWriter
+    w = StoreWriter("memory://staged/{name}.zarr", chunk_rows=4, shard_bytes=4 * 16 * 4)
+    w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
+    w._core.drain()
+    print(json.dumps(str(w._staging)), flush=True)
+    if {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.readline()
+    w.close()
+"""
+
+
+def _killed_writer_folder(staging_dir) -> Path:
+    p = _script(staging_dir, _WRITER.format(name=uuid.uuid4().hex, kill=True))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL, err[-3000:]
+    folder = Path(json.loads(out))
+    # what the killed writer left: its lock file, and the shards it never uploaded
+    assert folder.parent == staging_dir and (folder / S.LOCK_NAME).is_file()
+    assert len(list((folder / "acts" / "x" / "c").iterdir())) == 10
+    return folder
+
+
+def test_a_remote_writer_removes_the_staging_folders_killed_writers_left_and_no_other(staging_dir):
+    dead = _killed_writer_folder(staging_dir)
+    live = _script(staging_dir, _WRITER.format(name=uuid.uuid4().hex, kill=False))
+    try:
+        live_folder = Path(json.loads(live.stdout.readline()))
+        # what is not a staging folder of a dead writer is left as it is
+        (staging_dir / "acs-staging-unlocked").mkdir()  # no lock file (a writer where flock fails)
+        (staging_dir / "acs-staging-unlocked" / "shard").write_bytes(b"x")
+        (staging_dir / "acs-staging-being-made").mkdir()  # its lock file not yet renamed
+        (staging_dir / "acs-staging-being-made" / (S.LOCK_NAME + ".new")).write_bytes(b"")
+        (staging_dir / "acs-staging-file").write_bytes(b"not a folder")
+        (staging_dir / "other").mkdir()
+        (staging_dir / "other" / S.LOCK_NAME).write_bytes(b"")  # another name
+        outside = staging_dir.parent / "outside"
+        outside.mkdir()
+        (outside / S.LOCK_NAME).write_bytes(b"")
+        (staging_dir / "acs-staging-link").symlink_to(outside, target_is_directory=True)
+        kept = sorted(p.name for p in staging_dir.iterdir() if p != dead)
+
+        w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+        assert not dead.exists()
+        assert sorted(p.name for p in staging_dir.iterdir() if p != w._staging) == kept
+        assert live_folder.name in kept and (live_folder / S.LOCK_NAME).is_file()
+        assert sorted(p.name for p in outside.iterdir()) == [S.LOCK_NAME]
+        # the new writer's own folder is locked while it lives: another writer leaves it
+        assert S.remove_dead_staging_folders() == [] and (w._staging / S.LOCK_NAME).is_file()
+        w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(8, 16))
+        w.close()
+        assert not w._staging.exists()
+    finally:
+        live.stdin.write("\n")
+        live.stdin.flush()
+        _, err = live.communicate(timeout=300)
+    assert live.returncode == 0, err[-3000:]
+    assert not live_folder.exists()  # (its writer removed it)
+
+
+@pytest.mark.parametrize("prefix", S.PREFIXES)
+def test_a_folder_is_removed_only_once_no_process_holds_its_lock(staging_dir, prefix):
+    """A folder made by a process that forked, then died: its lock is held by the forked child
+    as long as that one lives (the child may still write there), and the folder stays."""
+    go = staging_dir.parent / "go"
+    p = _script(staging_dir, f"""
+        import json, os, sys, time
+        from activationscope.store._staging import make_staging_folder
+        folder, fd = make_staging_folder({prefix!r})
+        (folder / "shard").write_bytes(b"staged")
+        child = os.fork()
+        if child == 0:
+            os.close(1)  # (the test reads the script's output to its end: this child keeps none of it)
+            os.close(2)
+            for _ in range(30000):
+                if os.path.exists({str(go)!r}):
+                    break
+                time.sleep(0.01)
+            os._exit(0)
+        print(json.dumps([str(folder), child]), flush=True)
+        os._exit(9)
+    """)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 9, err[-3000:]
+    folder, child = json.loads(out)
+    folder = Path(folder)
+    assert folder.name.startswith(prefix) and (folder / "shard").read_bytes() == b"staged"
+    assert S.remove_dead_staging_folders() == [] and folder.exists()
+    go.write_bytes(b"")
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{child}") if os.path.isdir("/proc") else False:
+        assert time.monotonic() < deadline, "the forked child did not end"
+        time.sleep(0.05)
+    for _ in range(200):  # (its end, as seen by the kernel's locks, may lag the exit a little)
+        removed = S.remove_dead_staging_folders()
+        if removed:
+            break
+        time.sleep(0.05)
+    assert removed == [str(folder)] and not folder.exists()
+
+
+def test_without_flock_a_folder_has_no_lock_file_and_only_its_writer_removes_it(staging_dir, monkeypatch):
+    monkeypatch.setattr(S, "_take_lock", lambda fd: False)
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+    folder = w._staging
+    assert folder.parent == staging_dir and list(folder.iterdir()) == []  # (no lock file, no .new one)
+    monkeypatch.undo()
+    assert S.remove_dead_staging_folders(staging_dir) == [] and folder.is_dir()
+    w.abort()
+    assert not folder.exists()
+
+
+def test_a_staging_folder_has_a_known_prefix():
+    with pytest.raises(ValueError, match="prefix must be one of"):
+        S.make_staging_folder("elsewhere-")
