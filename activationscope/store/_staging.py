@@ -10,8 +10,8 @@ writer's pending budget.
 
 So each folder holds :data:`LOCK_NAME`, whose ``flock`` its writer holds as long as it lives:
 the kernel releases it when the process ends, however it ends. :func:`make_staging_folder`
-first removes the folders of the current user whose lock no process holds (their shards were
-never uploaded, and a resume captures their rows again), then makes the new one. The lock is
+first removes the folders of the current user and host whose lock no process holds (their
+shards were never uploaded, and a resume captures their rows again), then makes the new one. The lock is
 taken on a file of another name, renamed to :data:`LOCK_NAME` only once held, so that no
 folder is ever seen unlocked while its writer lives. A folder without :data:`LOCK_NAME` (one
 being made, or where ``flock`` cannot be taken) is never removed.
@@ -50,9 +50,10 @@ def _take_lock(fd: int) -> bool:
 def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[str]:
     """Remove the staging folders in ``tmp`` (default :func:`tempfile.gettempdir`) that writers
     of processes now gone left: a folder named ``acs-staging-*`` or ``acs-commit-*``, not a
-    link, owned by this user, whose :data:`LOCK_NAME` (a regular file, not a link) this process
-    can lock. A folder whose lock a live process holds (its writer, or a process forked from
-    it), or that has no lock file, is left. Returns the paths removed. Never raises: a folder
+    link, owned by this user, whose :data:`LOCK_NAME` (a regular file, not a link, naming this
+    host: a ``$TMPDIR`` shared between hosts may not share their locks) this process can lock.
+    A folder whose lock a live process holds (its writer, or a process forked from it), or
+    that has no lock file, is left. Returns the paths removed. Never raises: a folder
     that cannot be read or removed is left as it is."""
     root = Path(tmp) if tmp is not None else Path(tempfile.gettempdir())
     removed: list[str] = []
@@ -77,6 +78,14 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
                 continue
             if entry.stat(follow_symlinks=False).st_uid != st.st_uid:
                 continue
+            # only a folder of this host: on a $TMPDIR shared between hosts (a network file system
+            # mounted without locks across them) another host's live writer's lock is not seen here
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0))
+            except ValueError:
+                continue
+            if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+                continue
             if not _take_lock(fd):  # (held: its writer lives)
                 continue
             # no process holds it: the folder's writer is gone (locked by this process while removed)
@@ -95,9 +104,9 @@ def make_staging_folder(prefix: str = "acs-staging-") -> tuple[Path, int | None]
     ``flock`` of its :data:`LOCK_NAME` (the open file returned, to close with
     :func:`remove_staging_folder`), after removing the folders dead writers left
     (:func:`remove_dead_staging_folders`). The lock file holds ``{"pid", "host", "started"}``
-    of this process, for whoever looks. Where ``flock`` cannot be taken (no ``fcntl``, a file
-    system without locks) the folder has no lock file and the returned file is None: it is
-    removed only by its writer.
+    of this process: only a folder of this host is ever removed. Where ``flock`` cannot be
+    taken (no ``fcntl``, a file system without locks) the folder has no lock file and the
+    returned file is None: it is removed only by its writer.
 
     Raises
     ------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -165,3 +166,18 @@ def test_without_flock_a_folder_has_no_lock_file_and_only_its_writer_removes_it(
 def test_a_staging_folder_has_a_known_prefix():
     with pytest.raises(ValueError, match="prefix must be one of"):
         S.make_staging_folder("elsewhere-")
+
+
+def test_a_dead_writers_folder_of_another_host_is_left(staging_dir):
+    """On a $TMPDIR shared between hosts (a network file system whose locks may not reach across
+    them), only this host's folders are taken for dead writers'."""
+    dead = _killed_writer_folder(staging_dir)
+    lock = dead / S.LOCK_NAME
+    holder = json.loads(lock.read_text())
+    assert holder["pid"] > 0 and holder["host"] == socket.gethostname()
+    lock.write_text(json.dumps({**holder, "host": holder["host"] + "-other"}))
+    damaged = _killed_writer_folder(staging_dir)
+    (damaged / S.LOCK_NAME).write_text("{not json")
+    assert S.remove_dead_staging_folders() == [] and dead.is_dir() and damaged.is_dir()
+    lock.write_text(json.dumps(holder))
+    assert S.remove_dead_staging_folders() == [str(dead)] and damaged.is_dir()
