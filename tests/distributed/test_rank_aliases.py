@@ -34,7 +34,7 @@ def test_a_multi_rank_store_keeps_an_array_for_each_hook_point_a_one_process_sto
     refs = []  # each rank's inputs captured by one process: a store with aliases
     for r in range(WORLD):
         p = str(tmp_path / f"one-{r}.zarr")
-        with acs.ActivationScope(store=p, capture="both").track(model) as t:
+        with acs.ActivationScope(store=p, capture="both").track(model):
             for x in _inputs(r):
                 model(x)
         refs.append(acs.open_store(p))
