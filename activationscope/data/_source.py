@@ -26,7 +26,7 @@ import inspect
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -187,6 +187,9 @@ class StoreSource:
 
     def __init__(self, spec: Any, open_options: Mapping[str, Any] | None = None) -> None:
         self._options = _check_open_options(open_options)
+        # the store's cache of decoded chunks was sized by the caller (cache_bytes=, or a store
+        # opened by them): fit_decoded_cache never changes it then
+        self._cache_given = "cache_bytes" in self._options or not isinstance(spec, (str, os.PathLike))
         self._lock = threading.Lock()
         self._given: str | None = None  # a path or URL as given (for messages)
         if isinstance(spec, (str, os.PathLike)):
@@ -353,6 +356,48 @@ class StoreSource:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"spec": self._reopen_spec(), "options": self._options, "pid": os.getpid()}
+
+    def fit_decoded_cache(self, hook_points: Sequence[str], store_rows: int,
+                          most: int) -> tuple[int, int, list[str], bool] | None:
+        """Make the store's cache of decoded chunks hold ``store_rows`` consecutive rows of each
+        of ``hook_points`` read by decoding (compressed, or of a remote store; an alias counted
+        once with its array), plus two chunks of each: the bytes a shuffle window of that
+        many rows decodes (:class:`~activationscope.data.samplers.ChunkShuffleBatchSampler`),
+        each array's at most its whole decoded size.
+
+        The cache is raised to that (here, and in the processes this source is pickled to:
+        DataLoader workers) when its size was not given by the caller (``cache_bytes=`` in
+        ``open_options``, or a store object opened by them) and it is at most ``most`` bytes.
+        Returns None when the cache holds it (now), else ``(bytes needed, cache_bytes,
+        hook points read by decoding, whether the size was given)``. Only for an
+        :class:`~activationscope.store.Store` (not a rank view of an uncommitted multi-rank
+        store, whose rank stores cache their own chunks); None for other row sources."""
+        from ..store import _validate as V
+        from ..store.reader import Store
+
+        store = self.store
+        if not isinstance(store, Store) or getattr(store, "_parts", None):
+            return None
+        need, decoded, arrays = 0, [], set()
+        for hp in dict.fromkeys(hook_points):
+            meta = store._checked_meta(hp)
+            if store._mappable(meta) or meta["path"] in arrays:
+                continue
+            arrays.add(meta["path"])
+            decoded.append(hp)
+            chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
+            whole = -(-n // max(1, chunk_rows)) * chunk_rows  # (its decoded chunks, the last one whole)
+            need += min(max(0, int(store_rows)) + 2 * chunk_rows, whole) * V.row_bytes(meta)
+        have = int(store._cache_bytes)
+        if not decoded or need <= have:
+            return None
+        given = bool(getattr(self, "_cache_given", True))
+        if given or need > most:
+            return need, have, decoded, given
+        with self._lock:  # (no reader takes the options meanwhile: a worker pickled now gets these)
+            self._options = {**self._options, "cache_bytes": need}
+        store._raise_cache_bytes(need)
+        return None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["spec"], state["options"])

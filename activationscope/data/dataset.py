@@ -48,6 +48,12 @@ __all__ = ["ActivationDataset", "Batch", "collate"]
 
 _ROW_ID = "__activationscope_row__"
 
+#: The most an ActivationDataset raises the cache of decoded chunks of the store it opened to by
+#: itself, so that a shuffle window of compressed or remote rows is decoded once
+#: (:meth:`ActivationDataset.fit_cache_to_window`), in bytes per process: each DataLoader
+#: worker holds a cache of its own.
+WINDOW_CACHE_MAX_BYTES = 1 << 30
+
 
 class Batch(Sequence):
     """One batch as returned by :meth:`ActivationDataset.__getitems__`.
@@ -1176,6 +1182,55 @@ class ActivationDataset(Dataset):
     def store_rows(self) -> torch.Tensor | range:
         """Store rows of the dataset, in dataset order: a ``range`` or an int64 Tensor (len,) (a copy)."""
         return range(self._start, self._stop) if self._ids is None else self._ids.clone()
+
+    def fit_cache_to_window(self, window_rows: int, sampler: str = "a shuffled sampler") -> None:
+        """Make the store's cache of decoded chunks hold a shuffle window of ``window_rows``
+        dataset rows of every hook point read by decoding (compressed, or of a remote store),
+        so that each of its chunks is decoded once while the window is read in a random
+        order; a no-op for uncompressed local hook points (read as views).
+        :class:`ChunkShuffleBatchSampler` (its windows) and :class:`ShuffledBatchSampler` (the
+        whole dataset) call it when built on this dataset.
+
+        The cache (default 64 MiB) is raised, here and in DataLoader workers, up to
+        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per process), when its size was not given
+        (``open_options={"cache_bytes": ...}``, or a store opened by the caller). Otherwise,
+        when the window needs more, warns (``RuntimeWarning``) naming the bytes it needs and
+        the fix: batches then decode chunks again, up to one per row.
+
+        Parameters
+        ----------
+        window_rows : int
+            Dataset rows of one window (at most the dataset's length); with a selection of
+            rows (``rows=``, ``filter=``, ``sample_ids=``) counted in the store rows they span.
+        sampler : str
+            What asks, for the warning.
+        """
+        n = len(self)
+        window_rows = min(max(0, int(window_rows)), n)
+        if window_rows == 0:
+            return
+        span = window_rows
+        if self._ids is not None:  # (a selection: its rows spread over the store rows between them)
+            ids = self._ids
+            spread = (int(ids.max()) - int(ids.min()) + 1) / ids.numel()
+            span = math.ceil(window_rows * spread)
+        else:
+            span = min(span, self._stop - self._start)
+        fit = getattr(self.source, "fit_decoded_cache", None)
+        out = fit(self.hook_points, span, WINDOW_CACHE_MAX_BYTES) if callable(fit) else None
+        if out is None:
+            return
+        need, have, decoded, given = out
+        mib = 1 << 20
+        why = ("the size given" if given else
+               f"{WINDOW_CACHE_MAX_BYTES // mib} MiB is the most a dataset raises it to by itself, per process")
+        warn_at_caller(
+            f"{sampler}: a window of {window_rows:,} rows of {decoded} (compressed or remote: read by decoding "
+            f"chunks) needs about {-(-need // mib):,} MiB of decoded chunks, more than the store's cache of "
+            f"{have // mib:,} MiB ({why}): its batches decode chunks again, up to one per row (tens of times "
+            f"slower); open the dataset with open_options={{'cache_bytes': {need}}} (a store: open_store(..., "
+            f"cache_bytes={need})), or read smaller windows (ChunkShuffleBatchSampler(..., buffer_rows=...))",
+            RuntimeWarning)
 
     def block_boundaries(self) -> torch.Tensor:
         """Dataset positions where the store's segments (shards) begin, int64 ``(n_blocks + 1,)``.

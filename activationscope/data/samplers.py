@@ -304,7 +304,9 @@ class ShuffledBatchSampler(_BatchSampler):
 
     The permutation is ``torch.randperm(len, generator)`` seeded from ``(seed, epoch)``; every
     rank computes the same permutation and takes its contiguous part. Memory: 8 bytes per
-    row for the permutation.
+    row for the permutation; built on an :class:`ActivationDataset` of compressed or remote
+    rows, the store's cache of decoded chunks is raised to hold them all, up to 1 GiB per
+    process, or a ``RuntimeWarning`` says why not (:meth:`ActivationDataset.fit_cache_to_window`).
 
     Parameters
     ----------
@@ -318,6 +320,26 @@ class ShuffledBatchSampler(_BatchSampler):
     list of int
         Dataset positions of one batch.
     """
+
+    def __init__(
+        self,
+        data_source: Any,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        even: bool = False,
+    ) -> None:
+        super().__init__(
+            data_source, batch_size, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size, even=even
+        )
+        # (an ActivationDataset's compressed or remote rows: a cache of decoded chunks that holds
+        # them all, up to a bound, or a warning: ActivationDataset.fit_cache_to_window)
+        fit = getattr(data_source, "fit_cache_to_window", None)
+        if callable(fit):
+            fit(self.n, type(self).__name__)
 
     def _order(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
@@ -348,7 +370,11 @@ class ChunkShuffleBatchSampler(_BatchSampler):
     batches are taken, about 80 bytes per row of one window (``buffer_rows`` plus at most one
     block: its positions, then this rank's part of them as a Python list, which batches are
     slices of), whatever the dataset's length; the first batch comes after one window is
-    built (a few milliseconds for 65536 rows).
+    built (a few milliseconds for 65536 rows). Built on an :class:`ActivationDataset` of
+    compressed or remote rows (read by decoding chunks), the store's cache of decoded chunks
+    is raised to hold one window, so that each chunk is decoded once an epoch, up to 1 GiB
+    per process, or a ``RuntimeWarning`` says why not and what a window needs
+    (:meth:`ActivationDataset.fit_cache_to_window`).
 
     Parameters
     ----------
@@ -400,6 +426,12 @@ class ChunkShuffleBatchSampler(_BatchSampler):
             bounds = torch.arange(0, self.n, 4096, dtype=torch.int64)
         self.block_starts = bounds
         self.block_sizes = torch.diff(bounds, append=torch.tensor([self.n], dtype=torch.int64))
+        # a window holds at most buffer_rows - 1 rows and the block that fills it: of an
+        # ActivationDataset's compressed or remote rows, a cache of decoded chunks that holds
+        # one, up to a bound, or a warning (ActivationDataset.fit_cache_to_window)
+        fit = getattr(data_source, "fit_cache_to_window", None)
+        if callable(fit) and self.n:
+            fit(min(self.n, buffer_rows - 1 + int(self.block_sizes.max())), type(self).__name__)
 
     def _windows(self, a: int, b: int) -> Iterator[tuple[int, np.ndarray | None]]:
         """The epoch's order one window at a time: ``(window's first position in the order,

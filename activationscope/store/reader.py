@@ -1035,6 +1035,15 @@ class Store:
         since (its rows would not be the ones read here)."""
         return (_reopen_pickled, (self.path, self.open_options(), self._run, os.getpid()))
 
+    def _raise_cache_bytes(self, nbytes: int) -> None:
+        """Raise the bound of the cache of decoded chunks to ``nbytes`` (never lower it), also
+        in :meth:`open_options` (a DataLoader worker reopens the store with it): read at each
+        insertion, so the cache grows as chunks are decoded."""
+        with self._lock:
+            if int(nbytes) > self._cache_bytes:
+                self._cache_bytes = int(nbytes)
+                self._open_options["cache_bytes"] = int(nbytes)
+
     def open_options(self) -> dict:
         """The keyword arguments of :func:`open_store` this store was opened with
         (``cache_bytes``, ``verify``, ``storage_options`` when given): what reopens it the same
