@@ -14,7 +14,8 @@ first removes the folders of the current user and host whose lock no process hol
 shards were never uploaded, and a resume captures their rows again), then makes the new one. The lock is
 taken on a file of another name, renamed to :data:`LOCK_NAME` only once held, so that no
 folder is ever seen unlocked while its writer lives. A folder without :data:`LOCK_NAME` (one
-being made, or where ``flock`` cannot be taken) is never removed.
+being made, or where ``flock`` cannot be taken) is never removed. Where there is no
+``flock`` (no :mod:`fcntl`) no folder has a lock file and the sweep removes none.
 """
 
 from __future__ import annotations
@@ -53,13 +54,18 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
     link, owned by this user, whose :data:`LOCK_NAME` (a regular file, not a link, naming this
     host: a ``$TMPDIR`` shared between hosts may not share their locks) this process can lock.
     A folder whose lock a live process holds (its writer, or a process forked from it), or
-    that has no lock file, is left. Returns the paths removed. Never raises: a folder
-    that cannot be read or removed is left as it is."""
-    root = Path(tmp) if tmp is not None else Path(tempfile.gettempdir())
+    that has no lock file, is left; without :mod:`fcntl` every folder is. Returns the paths
+    removed. Never raises (whatever a lock file holds): a folder that cannot be read or
+    removed is left as it is."""
     removed: list[str] = []
     try:
+        import fcntl  # noqa: F401 - (without it no folder has a lock file: none is removed)
+    except ImportError:
+        return removed
+    try:
+        root = Path(tmp) if tmp is not None else Path(tempfile.gettempdir())
         entries = list(os.scandir(root))
-    except OSError:
+    except OSError:  # (gettempdir: no usable folder; the mkdtemp after it says so)
         return removed
     uid = os.getuid() if hasattr(os, "getuid") else None
     for entry in entries:
@@ -69,8 +75,9 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
             if not entry.is_dir(follow_symlinks=False):
                 continue
             fd = os.open(os.path.join(entry.path, LOCK_NAME),
-                         os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK)
-        except OSError:  # (no lock file: being made, made where flock fails, or by an older version)
+                         os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_NONBLOCK", 0))
+        except Exception:  # noqa: BLE001 - (no lock file: being made, made where flock fails, or by an older version)
             continue
         try:
             st = os.fstat(fd)
@@ -92,7 +99,7 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
             shutil.rmtree(entry.path, ignore_errors=True)
             if not os.path.lexists(entry.path):
                 removed.append(entry.path)
-        except OSError:
+        except Exception:  # noqa: BLE001 - never raises into the capture (a lock file of any content)
             continue
         finally:
             os.close(fd)

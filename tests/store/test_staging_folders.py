@@ -181,3 +181,36 @@ def test_a_dead_writers_folder_of_another_host_is_left(staging_dir):
     assert S.remove_dead_staging_folders() == [] and dead.is_dir() and damaged.is_dir()
     lock.write_text(json.dumps(holder))
     assert S.remove_dead_staging_folders() == [str(dead)] and damaged.is_dir()
+
+
+def test_without_fcntl_the_sweep_removes_nothing_and_never_fails_the_writer(staging_dir, monkeypatch):
+    """Where there is no flock (no fcntl, no O_NONBLOCK, no os.pread: not POSIX) no folder has a
+    lock file: the sweep at a remote writer's open leaves every folder, and does not fail it."""
+    other = staging_dir / "acs-staging-other"
+    other.mkdir()
+    (other / "shard").write_bytes(b"staged")
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    monkeypatch.delattr(os, "O_NONBLOCK", raising=False)
+    monkeypatch.delattr(os, "pread", raising=False)
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+    try:
+        assert list(w._staging.iterdir()) == []  # (no lock file)
+        assert (other / "shard").read_bytes() == b"staged"
+        assert S.remove_dead_staging_folders() == []
+    finally:
+        w.abort()
+    assert not w._staging.exists() and other.is_dir()
+
+
+def test_a_lock_file_of_any_content_never_fails_the_sweep(staging_dir):
+    for name, content in [("deep", b"[" * 100_000), ("bytes", b"\xff\xfe{"), ("list", b"[1, 2]"),
+                          ("host", json.dumps({"host": ["x"]}).encode())]:
+        folder = staging_dir / f"acs-staging-{name}"
+        folder.mkdir()
+        (folder / S.LOCK_NAME).write_bytes(content)
+    assert S.remove_dead_staging_folders() == []
+    assert sorted(p.name for p in staging_dir.iterdir()) == ["acs-staging-bytes", "acs-staging-deep",
+                                                             "acs-staging-host", "acs-staging-list"]
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+    w.abort()
+
