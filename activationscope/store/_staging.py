@@ -14,7 +14,9 @@ first removes the folders of the current user and host whose lock no process hol
 shards were never uploaded, and a resume captures their rows again), then makes the new one. The lock is
 taken on a file of another name, renamed to :data:`LOCK_NAME` only once held, so that no
 folder is ever seen unlocked while its writer lives. A folder without :data:`LOCK_NAME` (one
-being made, or where ``flock`` cannot be taken) is never removed. Where there is no
+being made, or where ``flock`` cannot be taken) is never removed; so a dead writer's folder
+loses its lock file last, once all else in it is gone (a removal that fails, or is killed, part
+way leaves the rest locked by no one, and the next sweep takes it again). Where there is no
 ``flock`` (no :mod:`fcntl`) no folder has a lock file and the sweep removes none.
 """
 
@@ -54,9 +56,10 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
     link, owned by this user, whose :data:`LOCK_NAME` (a regular file, not a link, naming this
     host: a ``$TMPDIR`` shared between hosts may not share their locks) this process can lock.
     A folder whose lock a live process holds (its writer, or a process forked from it), or
-    that has no lock file, is left; without :mod:`fcntl` every folder is. Returns the paths
-    removed. Never raises (whatever a lock file holds): a folder that cannot be read or
-    removed is left as it is."""
+    that has no lock file, is left; without :mod:`fcntl` every folder is. A folder is emptied
+    before its lock file goes: one whose removal fails part way keeps it, with what remains,
+    for the next sweep. Returns the paths removed. Never raises (whatever a lock file holds): a
+    folder that cannot be read or removed is left as it is."""
     removed: list[str] = []
     try:
         import fcntl  # noqa: F401 - (without it no folder has a lock file: none is removed)
@@ -96,7 +99,7 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
             if not _take_lock(fd):  # (held: its writer lives)
                 continue
             # no process holds it: the folder's writer is gone (locked by this process while removed)
-            shutil.rmtree(entry.path, ignore_errors=True)
+            _remove_dead_folder(entry.path)
             if not os.path.lexists(entry.path):
                 removed.append(entry.path)
         except Exception:  # noqa: BLE001 - never raises into the capture (a lock file of any content)
@@ -104,6 +107,40 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
         finally:
             os.close(fd)
     return removed
+
+
+def _remove_dead_folder(path: str) -> None:
+    """Remove the folder ``path`` of a dead writer (its lock held by this process), its
+    :data:`LOCK_NAME` last: a removal that fails part way (a file that cannot go) or is killed
+    leaves the lock file with what remains, and the next sweep removes it. Never follows a
+    link; never raises."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                      | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        for name in os.listdir(dfd):
+            if name == LOCK_NAME:
+                continue
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+                else:
+                    os.unlink(name, dir_fd=dfd)
+            except Exception:  # noqa: BLE001 - (what stays is removed by a later sweep)
+                pass
+        if any(name != LOCK_NAME for name in os.listdir(dfd)):
+            return  # (the lock file stays with what could not go)
+        os.unlink(LOCK_NAME, dir_fd=dfd)
+    except Exception:  # noqa: BLE001
+        return
+    finally:
+        os.close(dfd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def make_staging_folder(prefix: str = "acs-staging-") -> tuple[Path, int | None]:

@@ -214,3 +214,26 @@ def test_a_lock_file_of_any_content_never_fails_the_sweep(staging_dir):
     w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
     w.abort()
 
+
+def test_a_dead_folder_whose_removal_fails_part_way_keeps_its_lock_file(staging_dir, monkeypatch):
+    """A file that cannot go (or a sweep killed part way) leaves the rest of a dead writer's
+    folder with its lock file, never without it (a folder without one is never removed)."""
+    folder, fd = S.make_staging_folder()
+    shards = folder / "acts" / "x" / "c"
+    shards.mkdir(parents=True)
+    for k in range(4):
+        (shards / str(k)).write_bytes(b"staged")
+    (folder / "zarr.json").write_bytes(b"{}")
+    os.close(fd)  # (its writer is gone)
+    unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if os.fspath(path) == "2":
+            raise PermissionError(13, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", stuck)
+        assert S.remove_dead_staging_folders() == []
+    assert (folder / S.LOCK_NAME).is_file() and [p.name for p in shards.iterdir()] == ["2"]
+    assert S.remove_dead_staging_folders() == [str(folder)] and not folder.exists()
