@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..errors import StoreError, docs_page
+
 #: The lock file in each staging folder; its writer holds its ``flock`` while it lives.
 LOCK_NAME = ".activationscope-staging.lock"
 
@@ -143,7 +145,7 @@ def _remove_dead_folder(path: str) -> None:
         pass
 
 
-def make_staging_folder(prefix: str = "acs-staging-") -> tuple[Path, int | None]:
+def make_staging_folder(prefix: str = "acs-staging-", store: str | None = None) -> tuple[Path, int | None]:
     """Make a new staging folder ``<prefix>*`` in :func:`tempfile.gettempdir` holding the
     ``flock`` of its :data:`LOCK_NAME` (the open file returned, to close with
     :func:`remove_staging_folder`), after removing the folders dead writers left
@@ -154,13 +156,27 @@ def make_staging_folder(prefix: str = "acs-staging-") -> tuple[Path, int | None]
 
     Raises
     ------
-    OSError
-        The folder cannot be made (``$TMPDIR`` missing, full or read-only).
+    StoreError
+        The folder cannot be made (``$TMPDIR`` missing, full or read-only): the message names
+        it, and ``store`` (the remote store written) when given.
     """
     if prefix not in PREFIXES:
         raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
     remove_dead_staging_folders()
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+    except OSError as e:
+        try:
+            where = repr(tempfile.gettempdir())
+        except OSError:
+            where = "no folder"
+        of = f" of store {store!r}" if store is not None else ""
+        raise StoreError(
+            f"the local staging folder{of} cannot be made in {where} (the temporary folder, TMPDIR): "
+            f"{e.strerror or e}. A remote store's shards are written there first and uploaded at each "
+            "commit: set TMPDIR to a folder of this host that exists, is writable and has room for the "
+            f"shards written between two commits (see {docs_page('docs/usage/capture.md', 'Into a store')})"
+        ) from e
     taking = folder / (LOCK_NAME + ".new")
     fd: int | None = None
     try:

@@ -237,3 +237,20 @@ def test_a_dead_folder_whose_removal_fails_part_way_keeps_its_lock_file(staging_
         assert S.remove_dead_staging_folders() == []
     assert (folder / S.LOCK_NAME).is_file() and [p.name for p in shards.iterdir()] == ["2"]
     assert S.remove_dead_staging_folders() == [str(folder)] and not folder.exists()
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_a_staging_folder_that_cannot_be_made_fails_the_writer_naming_tmpdir_and_the_fix(tmp_path, monkeypatch,
+                                                                                         where):
+    tmp = tmp_path / "tmp"
+    if where == "file":
+        tmp.write_bytes(b"not a folder")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    url = f"memory://staged/{uuid.uuid4().hex}.zarr"
+    with pytest.raises(acs.StoreError, match=r"(?s)staging folder of store .*cannot be made in .*TMPDIR.*"
+                                             r"set TMPDIR to a folder .*'Into a store'") as e:
+        StoreWriter(url, chunk_rows=4)
+    assert isinstance(e.value, OSError) and str(tmp) in str(e.value) and url in str(e.value)
+    import fsspec
+
+    assert not fsspec.filesystem("memory").exists(url)  # (nothing of the store was made)
