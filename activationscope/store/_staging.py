@@ -14,10 +14,11 @@ first removes the folders of the current user and host whose lock no process hol
 shards were never uploaded, and a resume captures their rows again), then makes the new one. The lock is
 taken on a file of another name, renamed to :data:`LOCK_NAME` only once held, so that no
 folder is ever seen unlocked while its writer lives. A folder without :data:`LOCK_NAME` (one
-being made, or where ``flock`` cannot be taken) is never removed; so a dead writer's folder
-loses its lock file last, once all else in it is gone (a removal that fails, or is killed, part
-way leaves the rest locked by no one, and the next sweep takes it again). Where there is no
-``flock`` (no :mod:`fcntl`) no folder has a lock file and the sweep removes none.
+being made, or where ``flock`` cannot be taken) is never removed; so a folder loses its lock
+file last, once all else in it is gone, whether its writer or a sweep removes it (a removal that
+fails, or is killed, part way leaves the rest with the lock file, and the next sweep takes it).
+Where there is no ``flock`` (no :mod:`fcntl`) no folder has a lock file and the sweep removes
+none.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
             if not _take_lock(fd):  # (held: its writer lives)
                 continue
             # no process holds it: the folder's writer is gone (locked by this process while removed)
-            _remove_dead_folder(entry.path)
+            _remove_lock_last(entry.path)
             if not os.path.lexists(entry.path):
                 removed.append(entry.path)
         except Exception:  # noqa: BLE001 - never raises into the capture (a lock file of any content)
@@ -111,11 +112,11 @@ def remove_dead_staging_folders(tmp: str | os.PathLike | None = None) -> list[st
     return removed
 
 
-def _remove_dead_folder(path: str) -> None:
-    """Remove the folder ``path`` of a dead writer (its lock held by this process), its
-    :data:`LOCK_NAME` last: a removal that fails part way (a file that cannot go) or is killed
-    leaves the lock file with what remains, and the next sweep removes it. Never follows a
-    link; never raises."""
+def _remove_lock_last(path: str) -> None:
+    """Remove the staging folder ``path`` (its lock held by this process: its writer's, or a
+    sweep's), its :data:`LOCK_NAME` last: a removal that fails part way (a file that cannot go)
+    or is killed leaves the lock file with what remains, and the next sweep removes it. Never
+    follows a link; never raises."""
     try:
         dfd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
                       | getattr(os, "O_CLOEXEC", 0))
@@ -127,14 +128,20 @@ def _remove_dead_folder(path: str) -> None:
                 continue
             try:
                 if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                    shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+                    try:
+                        shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+                    except NotImplementedError:  # (no fd-based rmtree here)
+                        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
                 else:
                     os.unlink(name, dir_fd=dfd)
             except Exception:  # noqa: BLE001 - (what stays is removed by a later sweep)
                 pass
         if any(name != LOCK_NAME for name in os.listdir(dfd)):
             return  # (the lock file stays with what could not go)
-        os.unlink(LOCK_NAME, dir_fd=dfd)
+        try:
+            os.unlink(LOCK_NAME, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
     except Exception:  # noqa: BLE001
         return
     finally:
@@ -199,10 +206,14 @@ def make_staging_folder(prefix: str = "acs-staging-", store: str | None = None) 
 
 
 def remove_staging_folder(folder: str | os.PathLike, fd: int | None) -> None:
-    """Remove a staging folder made by :func:`make_staging_folder`, then close its lock file
-    ``fd`` (so no other process takes the folder for a dead writer's while it goes). Never
-    raises."""
-    shutil.rmtree(folder, ignore_errors=True)
+    """Remove a staging folder made by :func:`make_staging_folder`, its lock file last (a
+    removal that fails, or is killed, part way leaves the rest to the next sweep, not a folder
+    without a lock file that none removes), then close its lock file ``fd`` (so no other
+    process takes the folder for a dead writer's while it goes). Never raises."""
+    if fd is None:  # (no lock file)
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        _remove_lock_last(os.fspath(folder))
     if fd is not None:
         try:
             os.close(fd)

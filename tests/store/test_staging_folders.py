@@ -254,3 +254,27 @@ def test_a_staging_folder_that_cannot_be_made_fails_the_writer_naming_tmpdir_and
     import fsspec
 
     assert not fsspec.filesystem("memory").exists(url)  # (nothing of the store was made)
+
+
+def test_a_writers_own_removal_that_fails_part_way_keeps_its_lock_file_for_the_next_sweep(staging_dir,
+                                                                                           monkeypatch):
+    """The close of a remote writer that cannot remove every file of its staging folder (or is
+    killed while it does) leaves the rest with the lock file, which the next sweep takes."""
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4, shard_bytes=4 * 16 * 4)
+    w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
+    w._core.drain()
+    folder = w._staging
+    (folder / "acts" / "x" / "left").write_bytes(b"")  # (a file that will not go)
+    unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == "left":
+            raise PermissionError(13, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", stuck)
+        w.abort()
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == \
+        [S.LOCK_NAME, os.path.join("acts", "x", "left")]
+    assert S.remove_dead_staging_folders() == [str(folder)] and not folder.exists()
