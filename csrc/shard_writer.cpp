@@ -654,7 +654,9 @@ ArrayWriter::~ArrayWriter() {
   if (deferred_bytes_) core_->add_deferred(-deferred_bytes_);  // (rows never taken: the store failed)
   if (fd_ >= 0) {
     ::close(fd_);
-    unlink_tmp();
+    // (a forked child's copy, dropped at its exit: the open shard's temporary file is its
+    // parent's, still being written there)
+    if (core_->in_owner_process()) unlink_tmp();
   }
 }
 

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -130,6 +131,8 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   // message of the error raised (StoreIOError), no advice added. An earlier error is kept.
   void refuse(const std::string& why);
   bool fsync_enabled() const { return fsync_; }
+  // Whether this is the process that made the core (not a child forked after it).
+  bool in_owner_process() const { return ::getpid() == owner_pid_; }
   int64_t pending_bytes() const;
   uint64_t durable_version() const { return durable_version_.load(); }
   void bump_durable() { durable_version_.fetch_add(1); }

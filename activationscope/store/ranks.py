@@ -1432,7 +1432,7 @@ def _commit_ranks_held(b: Any, target: Any, storage_options: dict | None,
         fulls = [n // S for n in ns]
         F_total = sum(fulls)
         nd = len(meta["feature_shape"])
-        staging, lock_fd = (None, None) if local else make_staging_folder("acs-commit-")
+        staging, lock_fd = (None, None) if local else make_staging_folder("acs-commit-", str(b))
         try:
             array_dir = b.root / path if local else Path(staging) / path
             manifest: list[dict] = []

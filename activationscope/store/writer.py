@@ -1169,7 +1169,9 @@ class StoreWriter:
         nothing at ``target``. Or this process may not write the store (a read-only mount, a
         store of another user): its writer lock cannot be made, a resume finds a folder of it
         this process may not write in, or ``overwrite`` cannot move it aside; the error names
-        the path and the fix, and nothing of the store was changed.
+        the path and the fix, and nothing of the store was changed. Or, for a remote store,
+        its local staging folder cannot be made in ``$TMPDIR`` (missing, read-only or full):
+        the error names the folder and the fix (another ``TMPDIR``).
     ValueError, TypeError
         Invalid options (checked before anything is written).
     """
@@ -1576,7 +1578,7 @@ class StoreWriter:
             self._own_staging = False
         else:
             # (the folders of writers killed before, on this host, go first: store/_staging.py)
-            self._staging, lock_fd = make_staging_folder("acs-staging-")
+            self._staging, lock_fd = make_staging_folder("acs-staging-", str(self._backend))
             self._own_staging = True
             # removed by close / abort / discard, and also when the writer fails to open, is
             # dropped without a close, or is left open at interpreter exit: its shards there

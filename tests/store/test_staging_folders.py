@@ -181,3 +181,100 @@ def test_a_dead_writers_folder_of_another_host_is_left(staging_dir):
     assert S.remove_dead_staging_folders() == [] and dead.is_dir() and damaged.is_dir()
     lock.write_text(json.dumps(holder))
     assert S.remove_dead_staging_folders() == [str(dead)] and damaged.is_dir()
+
+
+def test_without_fcntl_the_sweep_removes_nothing_and_never_fails_the_writer(staging_dir, monkeypatch):
+    """Where there is no flock (no fcntl, no O_NONBLOCK, no os.pread: not POSIX) no folder has a
+    lock file: the sweep at a remote writer's open leaves every folder, and does not fail it."""
+    other = staging_dir / "acs-staging-other"
+    other.mkdir()
+    (other / "shard").write_bytes(b"staged")
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    monkeypatch.delattr(os, "O_NONBLOCK", raising=False)
+    monkeypatch.delattr(os, "pread", raising=False)
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+    try:
+        assert list(w._staging.iterdir()) == []  # (no lock file)
+        assert (other / "shard").read_bytes() == b"staged"
+        assert S.remove_dead_staging_folders() == []
+    finally:
+        w.abort()
+    assert not w._staging.exists() and other.is_dir()
+
+
+def test_a_lock_file_of_any_content_never_fails_the_sweep(staging_dir):
+    for name, content in [("deep", b"[" * 100_000), ("bytes", b"\xff\xfe{"), ("list", b"[1, 2]"),
+                          ("host", json.dumps({"host": ["x"]}).encode())]:
+        folder = staging_dir / f"acs-staging-{name}"
+        folder.mkdir()
+        (folder / S.LOCK_NAME).write_bytes(content)
+    assert S.remove_dead_staging_folders() == []
+    assert sorted(p.name for p in staging_dir.iterdir()) == ["acs-staging-bytes", "acs-staging-deep",
+                                                             "acs-staging-host", "acs-staging-list"]
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4)
+    w.abort()
+
+
+def test_a_dead_folder_whose_removal_fails_part_way_keeps_its_lock_file(staging_dir, monkeypatch):
+    """A file that cannot go (or a sweep killed part way) leaves the rest of a dead writer's
+    folder with its lock file, never without it (a folder without one is never removed)."""
+    folder, fd = S.make_staging_folder()
+    shards = folder / "acts" / "x" / "c"
+    shards.mkdir(parents=True)
+    for k in range(4):
+        (shards / str(k)).write_bytes(b"staged")
+    (folder / "zarr.json").write_bytes(b"{}")
+    os.close(fd)  # (its writer is gone)
+    unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if os.fspath(path) == "2":
+            raise PermissionError(13, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", stuck)
+        assert S.remove_dead_staging_folders() == []
+    assert (folder / S.LOCK_NAME).is_file() and [p.name for p in shards.iterdir()] == ["2"]
+    assert S.remove_dead_staging_folders() == [str(folder)] and not folder.exists()
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_a_staging_folder_that_cannot_be_made_fails_the_writer_naming_tmpdir_and_the_fix(tmp_path, monkeypatch,
+                                                                                         where):
+    tmp = tmp_path / "tmp"
+    if where == "file":
+        tmp.write_bytes(b"not a folder")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    url = f"memory://staged/{uuid.uuid4().hex}.zarr"
+    with pytest.raises(acs.StoreError, match=r"(?s)staging folder of store .*cannot be made in .*TMPDIR.*"
+                                             r"set TMPDIR to a folder .*'Into a store'") as e:
+        StoreWriter(url, chunk_rows=4)
+    assert isinstance(e.value, OSError) and str(tmp) in str(e.value) and url in str(e.value)
+    import fsspec
+
+    assert not fsspec.filesystem("memory").exists(url)  # (nothing of the store was made)
+
+
+def test_a_writers_own_removal_that_fails_part_way_keeps_its_lock_file_for_the_next_sweep(staging_dir,
+                                                                                           monkeypatch):
+    """The close of a remote writer that cannot remove every file of its staging folder (or is
+    killed while it does) leaves the rest with the lock file, which the next sweep takes."""
+    w = StoreWriter(f"memory://staged/{uuid.uuid4().hex}.zarr", chunk_rows=4, shard_bytes=4 * 16 * 4)
+    w.open_array("x", (16,), torch.float32, "sample").append(torch.randn(40, 16))
+    w._core.drain()
+    folder = w._staging
+    (folder / "acts" / "x" / "left").write_bytes(b"")  # (a file that will not go)
+    unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == "left":
+            raise PermissionError(13, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "unlink", stuck)
+        w.abort()
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == \
+        [S.LOCK_NAME, os.path.join("acts", "x", "left")]
+    assert S.remove_dead_staging_folders() == [str(folder)] and not folder.exists()
