@@ -134,12 +134,22 @@ def render(doc: dict[str, Any], json_rel: str) -> str:
                                  f"were {was_text}")
     else:
         fill_note = ""
-    how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "
-           f"workloads; merged with `--merge`"
-           + (f"; {sum(m['stopped_early'] for m in merged)} of them stopped at a deadline before their end, so "
-              "their later modes are not measured" if any(m["stopped_early"] for m in merged) else "")
-           + f"; {doc['wall_s'] / 60:.0f} minutes of child processes)") if merged else \
-        f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes{fill_note})"
+    if merged and all("workloads" in e for e in merged):
+        # runs of distinct workloads at different times (a workload rerun after a change)
+        how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` merged with `--merge`: "
+               + "; ".join(f"{', '.join(e['workloads']) or 'nothing'} from `{' '.join(e['argv']) or '(all)'}` started "
+                           f"{(e.get('started_at') or '?')[:16].replace('T', ' ')}"
+                           + (" (stopped at a deadline: its later modes not measured)" if e.get("stopped_early") else "")
+                           for e in merged)
+               + f" ({doc['wall_s'] / 60:.0f} minutes of child processes in the longest)")
+    elif merged:
+        how = (f"{len(merged)} {st['profile']} runs of `python -m benchmark.runner` side by side (each a group of "
+               f"workloads; merged with `--merge`"
+               + (f"; {sum(m['stopped_early'] for m in merged)} of them stopped at a deadline before their end, so "
+                  "their later modes are not measured" if any(m["stopped_early"] for m in merged) else "")
+               + f"; {doc['wall_s'] / 60:.0f} minutes of child processes)")
+    else:
+        how = f"One {st['profile']} run of `python -m benchmark.runner` ({doc['wall_s'] / 60:.0f} minutes{fill_note})"
     lines += [
         f"{how} on {date}: "
         f"{m['cpu_model']}, {m['n_cpus']} vCPUs, {fmt_bytes(m['memory_bytes'])} RAM, torch {m['torch']}, "

@@ -479,11 +479,15 @@ def merge(paths: list[str]) -> dict[str, Any]:
         for name, version in (d["machine"].get("packages") or {}).items():
             if packages.get(name) is None and version is not None:
                 packages[name] = version
-    for _p, d in docs:
+    taken: dict[str, int] = {}  # workload -> the run (its index) whose records it holds
+    for i, (_p, d) in enumerate(docs):
         for wl, recs in d["results"].items():
             if len(recs) > len(out["results"].get(wl, {})):
                 out["results"][wl] = dict(recs)
                 out["workloads"][wl] = d["workloads"].get(wl, {"params": {}})
+                taken[wl] = i
+    for i, entry in enumerate(out["settings"]["merged_from"]):
+        entry["workloads"] = [wl for wl in out["results"] if taken.get(wl) == i]
     # a mode missing or not ok in its workload's run is taken from a run where it is ok, with
     # the same workload parameters (e.g. rerun alone after a fix); each run lists what it gave
     for (p, d), entry in zip(docs, out["settings"]["merged_from"]):
@@ -499,7 +503,9 @@ def merge(paths: list[str]) -> dict[str, Any]:
                     entry.setdefault("replaced_status", []).append("missing" if have is None else have.get("status"))
     walls = [d.get("wall_s") for _p, d in docs]
     out["wall_s"] = None if any(w is None for w in walls) else max(walls)
-    for key in ("limits", "seed_comparison", "goals", "failures", "peer_errors"):
+    # (the goals too are derived again; the first run's --quick verdict, measured by a run of its
+    # own, is kept as it was: rederive takes it from there)
+    for key in ("limits", "seed_comparison", "failures", "peer_errors"):
         out.pop(key, None)
     return rederive(out)
 

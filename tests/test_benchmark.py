@@ -435,6 +435,33 @@ def test_merge_fills_a_failed_mode_from_a_rerun_with_the_same_parameters(tmp_pat
     assert "One full run" in text
 
 
+def test_merge_of_a_workload_rerun_names_the_run_each_workload_comes_from(tmp_path):
+    """--merge of a workload rerun later (listed first: it wins) with the full run: the README
+    text names each run's workloads, arguments and start, never 'side by side'; the full run's
+    verdict on --quick (a run of its own) stays in the goals."""
+    from benchmark import readme
+
+    src = json.loads((Path(runner.REPO) / "benchmark" / "results" / "full-2026-12-01.json").read_text())
+    rerun = json.loads(json.dumps(src))
+    rerun["settings"]["argv"] = ["--workloads", "readback"]
+    rerun["settings"]["started_at"] = "2026-12-02T21:28:12+0000"
+    rerun["results"] = {"readback": json.loads(json.dumps(src["results"]["readback"]))}
+    rerun["results"]["readback"]["build_raw"]["note"] = "the rerun's"
+    rerun["workloads"] = {"readback": src["workloads"]["readback"]}
+    paths = [tmp_path / "rerun.json", tmp_path / "full.json"]
+    paths[0].write_text(json.dumps(rerun))
+    paths[1].write_text(json.dumps(src))
+    out = runner.merge([str(p) for p in paths])
+    assert [e["workloads"] for e in out["settings"]["merged_from"]] == [
+        ["readback"], [wl for wl in src["results"] if wl != "readback"]]
+    assert out["results"]["readback"]["build_raw"]["note"] == "the rerun's"  # (the first run listed wins)
+    text = readme.render(out, "benchmark/results/x.json")
+    assert "2 full runs of `python -m benchmark.runner` merged with `--merge`: readback from `--workloads readback` " \
+           "started 2026-12-02 21:28; toy" in text
+    assert "side by side (each a group" not in text
+    assert any(g["id"] == "quick_wall" for g in out["goals"])
+
+
 def test_torchlens_runs_in_its_own_interpreter():
     """TorchLens refuses to capture in a forked child: its spec asks for a fresh interpreter,
     the others are forked from the pre-imported server."""
