@@ -26,7 +26,7 @@ import inspect
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -357,13 +357,14 @@ class StoreSource:
     def __getstate__(self) -> dict[str, Any]:
         return {"spec": self._reopen_spec(), "options": self._options, "pid": os.getpid()}
 
-    def fit_decoded_cache(self, hook_points: Sequence[str], store_rows: int,
+    def fit_decoded_cache(self, hook_points: Sequence[str], window_rows: Callable[[int], int],
                           most: int) -> tuple[int, int, list[str], bool] | None:
-        """Make the store's cache of decoded chunks hold ``store_rows`` consecutive rows of each
-        of ``hook_points`` read by decoding (compressed, or of a remote store; an alias counted
-        once with its array), plus two chunks of each: the bytes a shuffle window of that
-        many rows decodes (:class:`~activationscope.data.samplers.ChunkShuffleBatchSampler`),
-        each array's at most its whole decoded size.
+        """Make the store's cache of decoded chunks hold the chunks one shuffle window reads of
+        each of ``hook_points`` read by decoding (compressed, or of a remote store; an alias
+        counted once with its array): ``window_rows(chunk_rows)`` rows of each such array (its
+        whole chunks a window touches at most, for its size of chunk: hook points of other
+        widths have chunks of other sizes), plus two chunks, each array's at most its whole
+        decoded size (:meth:`~activationscope.data.ActivationDataset.fit_cache_to_window`).
 
         The cache is raised to that (here, and in the processes this source is pickled to:
         DataLoader workers) when its size was not given by the caller (``cache_bytes=`` in
@@ -385,9 +386,9 @@ class StoreSource:
                 continue
             arrays.add(meta["path"])
             decoded.append(hp)
-            chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
-            whole = -(-n // max(1, chunk_rows)) * chunk_rows  # (its decoded chunks, the last one whole)
-            need += min(max(0, int(store_rows)) + 2 * chunk_rows, whole) * V.row_bytes(meta)
+            chunk_rows, n = max(1, int(meta["chunk_rows"])), int(meta["n_rows"])
+            whole = -(-n // chunk_rows) * chunk_rows  # (its decoded chunks, the last one whole)
+            need += min(max(0, int(window_rows(chunk_rows))) + 2 * chunk_rows, whole) * V.row_bytes(meta)
         have = int(store._cache_bytes)
         if not decoded or need <= have:
             return None

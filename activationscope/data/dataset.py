@@ -1200,8 +1200,11 @@ class ActivationDataset(Dataset):
         Parameters
         ----------
         window_rows : int
-            Dataset rows of one window (at most the dataset's length); with a selection of
-            rows (``rows=``, ``filter=``, ``sample_ids=``) counted in the store rows they span.
+            Dataset rows of one window (at most the dataset's length: the whole dataset). The
+            chunks it decodes are counted per hook point, from the blocks a window is made of
+            (:meth:`block_boundaries`): more than its rows where a block's rows lie in larger
+            chunks (a narrower hook point than the first) or are a sparse or unsorted selection
+            (``rows=``, ``filter=``, ``sample_ids=``).
         sampler : str
             What asks, for the warning.
         """
@@ -1209,15 +1212,17 @@ class ActivationDataset(Dataset):
         window_rows = min(max(0, int(window_rows)), n)
         if window_rows == 0:
             return
-        span = window_rows
-        if self._ids is not None:  # (a selection: its rows spread over the store rows between them)
-            ids = self._ids
-            spread = (int(ids.max()) - int(ids.min()) + 1) / ids.numel()
-            span = math.ceil(window_rows * spread)
-        else:
-            span = min(span, self._stop - self._start)
         fit = getattr(self.source, "fit_decoded_cache", None)
-        out = fit(self.hook_points, span, WINDOW_CACHE_MAX_BYTES) if callable(fit) else None
+        if not callable(fit):
+            return
+        memo: dict[int, int] = {}
+
+        def rows_of(chunk_rows: int) -> int:
+            if chunk_rows not in memo:
+                memo[chunk_rows] = self._window_chunk_rows(window_rows, chunk_rows)
+            return memo[chunk_rows]
+
+        out = fit(self.hook_points, rows_of, WINDOW_CACHE_MAX_BYTES)
         if out is None:
             return
         need, have, decoded, given = out
@@ -1231,6 +1236,44 @@ class ActivationDataset(Dataset):
             f"slower); open the dataset with open_options={{'cache_bytes': {need}}} (a store: open_store(..., "
             f"cache_bytes={need})), or read smaller windows (ChunkShuffleBatchSampler(..., buffer_rows=...))",
             RuntimeWarning)
+
+    def _window_chunk_rows(self, window_rows: int, chunk_rows: int) -> int:
+        """Rows of the whole chunks of ``chunk_rows`` rows that a shuffle window of
+        ``window_rows`` dataset rows decodes at most (all of the dataset's chunks for a window of
+        the whole dataset). A window of :class:`ChunkShuffleBatchSampler` is made of whole blocks
+        (:meth:`block_boundaries`: the chunks of the first hook point, for a compressed one) in
+        any order; each block decodes the chunks its store rows lie in, which for a hook point
+        of other chunks (another width) or a sparse or unsorted selection of rows are more rows
+        than its own. Bounded by the blocks that decode the most rows per dataset row, taken
+        first until they hold ``window_rows`` rows (the last one in part)."""
+        n, c = len(self), max(1, int(chunk_rows))
+        ids = self._ids
+        if ids is None:
+            if window_rows >= n:
+                return ((self._stop - 1) // c - self._start // c + 1) * c if n else 0
+            bounds = self.block_boundaries()
+            lo, hi = bounds[:-1] + self._start, bounds[1:] + self._start
+            chunks = torch.where(hi > lo, (hi - 1) // c - lo // c + 1, 0)
+        else:
+            chunk = ids // c
+            if window_rows >= n:
+                return int(torch.unique(chunk).numel()) * c
+            bounds = self.block_boundaries()
+            sizes = torch.diff(bounds)
+            block = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.int64), sizes)
+            span = int(chunk.max()) + 1
+            # (the chunks of each block, each once: (block, chunk) pairs made one key)
+            chunks = torch.bincount(torch.unique(block * span + chunk) // span, minlength=sizes.numel())
+        sizes = torch.diff(bounds)
+        keep = sizes > 0
+        rows, sizes = (chunks[keep] * c).double(), sizes[keep].double()
+        ratio = rows / sizes
+        order = torch.argsort(ratio, descending=True, stable=True)
+        rows, sizes, ratio = rows[order], sizes[order], ratio[order]
+        held = torch.cumsum(sizes, 0)
+        k = min(int(torch.searchsorted(held, float(window_rows))), held.numel() - 1)
+        before = float(held[k - 1]) if k else 0.0
+        return math.ceil(float(rows[:k].sum()) + (window_rows - before) * float(ratio[k]))
 
     def block_boundaries(self) -> torch.Tensor:
         """Dataset positions where the store's segments (shards) begin, int64 ``(n_blocks + 1,)``.

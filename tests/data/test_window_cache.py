@@ -8,7 +8,6 @@ instead of 130,000."""
 
 from __future__ import annotations
 
-import math
 import pickle
 import warnings
 
@@ -149,8 +148,35 @@ def test_a_selection_of_rows_counts_the_store_rows_it_spans(tmp_path, small_defa
     ds = ActivationDataset(path, rows=range(0, N, 4))  # every 4th row: a window of k rows spans 4k
     ChunkShuffleBatchSampler(ds, 32, buffer_rows=200)
     window = 200 - 1 + int(torch.diff(ds.block_boundaries()).max())
-    span = math.ceil(window * (N - 4 + 1) / (N // 4))  # (store rows 0 .. N - 4 over N / 4 dataset rows)
-    assert 4 * window - 4 < span <= 4 * window and ds.source.store._cache_bytes == (span + 2 * CHUNK) * ROW
+    span = 4 * window  # (its blocks of 4 dataset rows, each in a chunk of 16 store rows)
+    assert ds.source.store._cache_bytes == (span + 2 * CHUNK) * ROW
+
+
+@pytest.mark.parametrize("how", ["unsorted", "clustered"])
+def test_a_selection_counts_the_chunks_its_windows_read(tmp_path, small_default, monkeypatch, how):
+    """An unsorted selection's window reads a chunk for about every row; a selection of a few
+    runs far apart spans most of the store but reads the chunks of its rows only. Each chunk
+    decoded once an epoch, with no more cache than the chunks its rows lie in."""
+    path, t = _write(tmp_path / "s.zarr")
+    if how == "unsorted":
+        rows = torch.randperm(N, generator=torch.Generator().manual_seed(1))[: N // 2]
+    else:
+        rows = torch.cat([torch.arange(0, 256), torch.arange(N - 256, N)])
+    ds = ActivationDataset(path, rows=rows)
+    if how == "clustered":  # (its window fits this bound; counted as the store rows it spans, not)
+        monkeypatch.setattr(D, "WINDOW_CACHE_MAX_BYTES", 64 << 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler = ChunkShuffleBatchSampler(ds, 32, buffer_rows=300, seed=2)
+    touched = torch.unique(rows // CHUNK).numel() * CHUNK
+    if how == "clustered":  # (a window of 300 rows + one chunk of them, in either run: no more)
+        assert ds.source.store._cache_bytes == (300 - 1 + CHUNK + 2 * CHUNK) * ROW
+    else:
+        assert ds.source.store._cache_bytes == min(N, touched + 2 * CHUNK) * ROW
+    decodes = _count_decodes(monkeypatch)
+    for batch in sampler:
+        assert torch.equal(collate(ds.__getitems__(batch))["x"], t[rows[batch]])
+    assert sorted(decodes) == sorted(torch.unique(rows // CHUNK).tolist())
 
 
 def test_dataloader_workers_read_with_the_raised_cache(tmp_path, small_default):
@@ -167,3 +193,44 @@ def test_dataloader_workers_read_with_the_raised_cache(tmp_path, small_default):
     info = DataLoader(ds, batch_size=None, sampler=[0], num_workers=1, multiprocessing_context="fork",
                       collate_fn=lambda _: torch.utils.data.get_worker_info().dataset.source.store._cache_bytes)
     assert list(info) == [want]
+
+
+def test_hook_points_of_other_chunk_sizes_are_each_decoded_once_a_window(tmp_path, small_default, monkeypatch):
+    """A window is made of blocks of the first hook point (its chunks, when compressed): a
+    narrower hook point has larger chunks, each block reads one of them, and a window reads many
+    more of its rows than the window's. Counted per hook point, each chunk is decoded once a
+    window (the first hook point's once an epoch); counted as the window's rows, the cache held
+    a fraction of them and the first hook point's chunks were decoded again too."""
+    from activationscope.store import _format as F
+
+    monkeypatch.setattr(F, "COMPRESSED_CHUNK_BYTES", 2048)  # x: 16 rows a chunk, y: 128
+    n = 4096
+    g = torch.Generator().manual_seed(0)
+    tx, ty = torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g)
+    w = StoreWriter(tmp_path / "two.zarr", compression="zstd")
+    ax, ay = w.open_array("x", (32,), torch.float32, "sample"), w.open_array("y", (4,), torch.float32, "sample")
+    for s in range(0, n, 512):
+        ax.append(tx[s:s + 512])
+        ay.append(ty[s:s + 512])
+        w.add_batch(512, list(range(s, s + 512)), None, {})
+        w.commit()
+    w.close()
+    ds = ActivationDataset(str(tmp_path / "two.zarr"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler = ChunkShuffleBatchSampler(ds, 32, buffer_rows=1024, seed=3)
+    windows = [set((rows // 128).tolist()) for _, rows in sampler._windows(0, n)]
+    decodes = []
+    real = R.Store._decode_chunk
+
+    def counting(self, hook_point, meta, c, *args, **kwargs):
+        decodes.append((meta["path"], c))
+        return real(self, hook_point, meta, c, *args, **kwargs)
+
+    monkeypatch.setattr(R.Store, "_decode_chunk", counting)
+    for batch in sampler:
+        got = collate(ds.__getitems__(batch))
+        assert torch.equal(got["x"], tx[batch]) and torch.equal(got["y"], ty[batch])
+    assert sorted(c for p, c in decodes if p == "acts/x") == list(range(n // 16))  # each chunk once
+    y = [c for p, c in decodes if p == "acts/y"]
+    assert len(y) <= sum(len(win) for win in windows)  # each chunk once a window that reads it
