@@ -187,9 +187,11 @@ class StoreSource:
 
     def __init__(self, spec: Any, open_options: Mapping[str, Any] | None = None) -> None:
         self._options = _check_open_options(open_options)
-        # the store's cache of decoded chunks was sized by the caller (cache_bytes=, or a store
-        # opened by them): fit_decoded_cache never changes it then
-        self._cache_given = "cache_bytes" in self._options or not isinstance(spec, (str, os.PathLike))
+        # the store's cache of decoded chunks was sized by the caller (cache_bytes=, a store
+        # opened by them, or their opener=, which may take no cache_bytes=): fit_decoded_cache
+        # never changes it then
+        self._cache_given = ("cache_bytes" in self._options or "opener" in self._options
+                             or not isinstance(spec, (str, os.PathLike)))
         self._lock = threading.Lock()
         self._given: str | None = None  # a path or URL as given (for messages)
         if isinstance(spec, (str, os.PathLike)):
@@ -368,7 +370,9 @@ class StoreSource:
 
         The cache is raised to that (here, and in the processes this source is pickled to:
         DataLoader workers) when its size was not given by the caller (``cache_bytes=`` in
-        ``open_options``, or a store object opened by them) and it is at most ``most`` bytes.
+        ``open_options``, a store object opened by them, or an ``opener=``: a worker reopens
+        the store with ``opener(spec, **options)``, which may not take ``cache_bytes=``) and it
+        is at most ``most`` bytes.
         Returns None when the cache holds it (now), else ``(bytes needed, cache_bytes,
         hook points read by decoding, whether the size was given)``. Only for an
         :class:`~activationscope.store.Store` (not a rank view of an uncommitted multi-rank

@@ -1193,7 +1193,8 @@ class ActivationDataset(Dataset):
 
         The cache (default 64 MiB) is raised, here and in DataLoader workers, up to
         :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per process), when its size was not given
-        (``open_options={"cache_bytes": ...}``, or a store opened by the caller). Otherwise,
+        (``open_options={"cache_bytes": ...}``, a store opened by the caller, or an ``opener=``
+        in ``open_options``, which opens the store as it says). Otherwise,
         when the window needs more, warns (``RuntimeWarning``) naming the bytes it needs and
         the fix: batches then decode chunks again, up to one per row.
 

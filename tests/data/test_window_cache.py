@@ -234,3 +234,24 @@ def test_hook_points_of_other_chunk_sizes_are_each_decoded_once_a_window(tmp_pat
     assert sorted(c for p, c in decodes if p == "acts/x") == list(range(n // 16))  # each chunk once
     y = [c for p, c in decodes if p == "acts/y"]
     assert len(y) <= sum(len(win) for win in windows)  # each chunk once a window that reads it
+
+
+def _open_default(spec):
+    """An opener= that takes no options (open_options={"opener": _open_default})."""
+    return acs.open_store(spec)
+
+
+def test_a_store_opened_by_an_opener_keeps_its_cache_and_reopens_in_workers(tmp_path, small_default):
+    """An opener is called as opener(spec, **options): a raised cache_bytes added to the options
+    made a DataLoader worker's reopen fail (TypeError) with an opener that takes none."""
+    path, t = _write(tmp_path / "s.zarr")
+    ds = ActivationDataset(path, open_options={"opener": _open_default})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sampler = ChunkShuffleBatchSampler(ds, 32, buffer_rows=1024, seed=1)
+    copy = pickle.loads(pickle.dumps(ds))  # (as a DataLoader worker gets it)
+    assert copy.source.store._cache_bytes == SMALL
+    assert ds.source.store._cache_bytes == SMALL
+    assert len(w) == 1 and w[0].category is RuntimeWarning and "(the size given)" in str(w[0].message)
+    batch = next(iter(sampler))
+    assert torch.equal(collate(copy.__getitems__(batch))["x"], t[batch])
