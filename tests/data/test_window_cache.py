@@ -255,3 +255,18 @@ def test_a_store_opened_by_an_opener_keeps_its_cache_and_reopens_in_workers(tmp_
     assert len(w) == 1 and w[0].category is RuntimeWarning and "(the size given)" in str(w[0].message)
     batch = next(iter(sampler))
     assert torch.equal(collate(copy.__getitems__(batch))["x"], t[batch])
+
+
+def test_a_remote_store_decodes_no_cached_chunk_again(small_default, monkeypatch):
+    """A read of object storage reads the chunks between a batch's rows with them (one request
+    per run) and decoded them all, the ones already cached too: with the cache raised to the
+    whole array (a ShuffledBatchSampler's window), about one chunk in ten was decoded twice."""
+    import uuid
+
+    path, t = _write(f"memory://window-cache/{uuid.uuid4().hex}.zarr", compression=None)
+    ds = ActivationDataset(path)
+    sampler = ShuffledBatchSampler(ds, 32, seed=1)
+    assert ds.source.store._cache_bytes == N * ROW
+    decodes = _count_decodes(monkeypatch)
+    _epoch(ds, sampler, t)
+    assert sorted(decodes) == list(range(N // CHUNK))
