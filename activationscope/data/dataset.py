@@ -50,8 +50,10 @@ _ROW_ID = "__activationscope_row__"
 
 #: The most an ActivationDataset raises the cache of decoded chunks of the store it opened to by
 #: itself, so that a shuffle window of compressed or remote rows is decoded once
-#: (:meth:`ActivationDataset.fit_cache_to_window`), in bytes per process: each DataLoader
-#: worker holds a cache of its own.
+#: (:meth:`ActivationDataset.fit_cache_to_window`), in bytes per store so opened, in each
+#: process: each DataLoader worker holds a cache of its own, and so does each dataset that
+#: opened a store (two datasets over one path open it twice; a dataset built on another,
+#: ``ActivationDataset(ds, rows=...)``, shares its store).
 WINDOW_CACHE_MAX_BYTES = 1 << 30
 
 
@@ -1192,7 +1194,7 @@ class ActivationDataset(Dataset):
         whole dataset) call it when built on this dataset.
 
         The cache (default 64 MiB) is raised, here and in DataLoader workers, up to
-        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per process), when its size was not given
+        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per store a dataset opened, in each process), when its size was not given
         (``open_options={"cache_bytes": ...}``, a store opened by the caller, or an ``opener=``
         in ``open_options``, which opens the store as it says). Otherwise,
         when the window needs more, warns (``RuntimeWarning``) naming the bytes it needs and
@@ -1229,7 +1231,7 @@ class ActivationDataset(Dataset):
         need, have, decoded, given = out
         mib = 1 << 20
         why = ("the size given" if given else
-               f"{WINDOW_CACHE_MAX_BYTES // mib} MiB is the most a dataset raises it to by itself, per process")
+               f"{WINDOW_CACHE_MAX_BYTES // mib} MiB is the most a dataset raises it to by itself")
         warn_at_caller(
             f"{sampler}: a window of {window_rows:,} rows of {decoded} (compressed or remote: read by decoding "
             f"chunks) needs about {-(-need // mib):,} MiB of decoded chunks, more than the store's cache of "
