@@ -1264,9 +1264,13 @@ class ActivationDataset(Dataset):
             bounds = self.block_boundaries()
             sizes = torch.diff(bounds)
             block = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.int64), sizes)
-            span = int(chunk.max()) + 1
-            # (the chunks of each block, each once: (block, chunk) pairs made one key)
-            chunks = torch.bincount(torch.unique(block * span + chunk) // span, minlength=sizes.numel())
+            if bool((ids[1:] >= ids[:-1]).all()):  # (sorted: a block's chunks in order, a new one where it changes)
+                new = torch.ones(n, dtype=torch.bool)
+                new[1:] = (chunk[1:] != chunk[:-1]) | (block[1:] != block[:-1])
+                chunks = torch.bincount(block[new], minlength=sizes.numel())
+            else:  # (the chunks of each block, each once: (block, chunk) pairs made one key)
+                span = int(chunk.max()) + 1
+                chunks = torch.bincount(torch.unique(block * span + chunk) // span, minlength=sizes.numel())
         sizes = torch.diff(bounds)
         keep = sizes > 0
         rows, sizes = (chunks[keep] * c).double(), sizes[keep].double()

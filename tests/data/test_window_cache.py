@@ -270,3 +270,26 @@ def test_a_remote_store_decodes_no_cached_chunk_again(small_default, monkeypatch
     decodes = _count_decodes(monkeypatch)
     _epoch(ds, sampler, t)
     assert sorted(decodes) == list(range(N // CHUNK))
+
+
+@pytest.mark.parametrize("how", ["sorted", "unsorted", "range"])
+@pytest.mark.parametrize("chunk_rows", [16, 48, 128])
+def test_the_chunks_counted_for_a_window_are_at_least_each_window_reads(tmp_path, how, chunk_rows):
+    """What fit_cache_to_window counts for a window, for chunks of any size (other hook
+    points'), is at least what each window of the sampler reads."""
+    path, _ = _write(tmp_path / "s.zarr")
+    g = torch.Generator().manual_seed(7)
+    rows = {"sorted": torch.sort(torch.randperm(N, generator=g)[:700]).values,
+            "unsorted": torch.randperm(N, generator=g)[:700], "range": range(37, N - 5)}[how]
+    ds = ActivationDataset(path, rows=rows)
+    store_rows = torch.as_tensor(ds.store_rows() if how != "range" else list(ds.store_rows()))
+    for buffer_rows in (1, 50, 300):
+        sampler = ChunkShuffleBatchSampler(ds, 8, buffer_rows=buffer_rows, seed=1)
+        window = min(len(ds), buffer_rows - 1 + int(sampler.block_sizes.max()))
+        counted = ds._window_chunk_rows(window, chunk_rows)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for _, pos in sampler._windows(0, len(ds)):
+                read = torch.unique(store_rows[torch.from_numpy(pos)] // chunk_rows).numel() * chunk_rows
+                assert read <= counted
+    assert ds._window_chunk_rows(len(ds), chunk_rows) == torch.unique(store_rows // chunk_rows).numel() * chunk_rows
