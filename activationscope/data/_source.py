@@ -26,7 +26,7 @@ import inspect
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -187,9 +187,11 @@ class StoreSource:
 
     def __init__(self, spec: Any, open_options: Mapping[str, Any] | None = None) -> None:
         self._options = _check_open_options(open_options)
-        # the store's cache of decoded chunks was sized by the caller (cache_bytes=, or a store
-        # opened by them): fit_decoded_cache never changes it then
-        self._cache_given = "cache_bytes" in self._options or not isinstance(spec, (str, os.PathLike))
+        # the store's cache of decoded chunks was sized by the caller (cache_bytes=, a store
+        # opened by them, or their opener=, which may take no cache_bytes=): fit_decoded_cache
+        # never changes it then
+        self._cache_given = ("cache_bytes" in self._options or "opener" in self._options
+                             or not isinstance(spec, (str, os.PathLike)))
         self._lock = threading.Lock()
         self._given: str | None = None  # a path or URL as given (for messages)
         if isinstance(spec, (str, os.PathLike)):
@@ -357,17 +359,20 @@ class StoreSource:
     def __getstate__(self) -> dict[str, Any]:
         return {"spec": self._reopen_spec(), "options": self._options, "pid": os.getpid()}
 
-    def fit_decoded_cache(self, hook_points: Sequence[str], store_rows: int,
+    def fit_decoded_cache(self, hook_points: Sequence[str], window_rows: Callable[[int], int],
                           most: int) -> tuple[int, int, list[str], bool] | None:
-        """Make the store's cache of decoded chunks hold ``store_rows`` consecutive rows of each
-        of ``hook_points`` read by decoding (compressed, or of a remote store; an alias counted
-        once with its array), plus two chunks of each: the bytes a shuffle window of that
-        many rows decodes (:class:`~activationscope.data.samplers.ChunkShuffleBatchSampler`),
-        each array's at most its whole decoded size.
+        """Make the store's cache of decoded chunks hold the chunks one shuffle window reads of
+        each of ``hook_points`` read by decoding (compressed, or of a remote store; an alias
+        counted once with its array): ``window_rows(chunk_rows)`` rows of each such array (its
+        whole chunks a window touches at most, for its size of chunk: hook points of other
+        widths have chunks of other sizes), plus two chunks, each array's at most its whole
+        decoded size (:meth:`~activationscope.data.ActivationDataset.fit_cache_to_window`).
 
         The cache is raised to that (here, and in the processes this source is pickled to:
         DataLoader workers) when its size was not given by the caller (``cache_bytes=`` in
-        ``open_options``, or a store object opened by them) and it is at most ``most`` bytes.
+        ``open_options``, a store object opened by them, or an ``opener=``: a worker reopens
+        the store with ``opener(spec, **options)``, which may not take ``cache_bytes=``) and it
+        is at most ``most`` bytes.
         Returns None when the cache holds it (now), else ``(bytes needed, cache_bytes,
         hook points read by decoding, whether the size was given)``. Only for an
         :class:`~activationscope.store.Store` (not a rank view of an uncommitted multi-rank
@@ -385,9 +390,9 @@ class StoreSource:
                 continue
             arrays.add(meta["path"])
             decoded.append(hp)
-            chunk_rows, n = int(meta["chunk_rows"]), int(meta["n_rows"])
-            whole = -(-n // max(1, chunk_rows)) * chunk_rows  # (its decoded chunks, the last one whole)
-            need += min(max(0, int(store_rows)) + 2 * chunk_rows, whole) * V.row_bytes(meta)
+            chunk_rows, n = max(1, int(meta["chunk_rows"])), int(meta["n_rows"])
+            whole = -(-n // chunk_rows) * chunk_rows  # (its decoded chunks, the last one whole)
+            need += min(max(0, int(window_rows(chunk_rows))) + 2 * chunk_rows, whole) * V.row_bytes(meta)
         have = int(store._cache_bytes)
         if not decoded or need <= have:
             return None

@@ -50,8 +50,10 @@ _ROW_ID = "__activationscope_row__"
 
 #: The most an ActivationDataset raises the cache of decoded chunks of the store it opened to by
 #: itself, so that a shuffle window of compressed or remote rows is decoded once
-#: (:meth:`ActivationDataset.fit_cache_to_window`), in bytes per process: each DataLoader
-#: worker holds a cache of its own.
+#: (:meth:`ActivationDataset.fit_cache_to_window`), in bytes per store so opened, in each
+#: process: each DataLoader worker holds a cache of its own, and so does each dataset that
+#: opened a store (two datasets over one path open it twice; a dataset built on another,
+#: ``ActivationDataset(ds, rows=...)``, shares its store).
 WINDOW_CACHE_MAX_BYTES = 1 << 30
 
 
@@ -1192,16 +1194,20 @@ class ActivationDataset(Dataset):
         whole dataset) call it when built on this dataset.
 
         The cache (default 64 MiB) is raised, here and in DataLoader workers, up to
-        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per process), when its size was not given
-        (``open_options={"cache_bytes": ...}``, or a store opened by the caller). Otherwise,
+        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per store a dataset opened, in each process), when its size was not given
+        (``open_options={"cache_bytes": ...}``, a store opened by the caller, or an ``opener=``
+        in ``open_options``, which opens the store as it says). Otherwise,
         when the window needs more, warns (``RuntimeWarning``) naming the bytes it needs and
         the fix: batches then decode chunks again, up to one per row.
 
         Parameters
         ----------
         window_rows : int
-            Dataset rows of one window (at most the dataset's length); with a selection of
-            rows (``rows=``, ``filter=``, ``sample_ids=``) counted in the store rows they span.
+            Dataset rows of one window (at most the dataset's length: the whole dataset). The
+            chunks it decodes are counted per hook point, from the blocks a window is made of
+            (:meth:`block_boundaries`): more than its rows where a block's rows lie in larger
+            chunks (a narrower hook point than the first) or are a sparse or unsorted selection
+            (``rows=``, ``filter=``, ``sample_ids=``).
         sampler : str
             What asks, for the warning.
         """
@@ -1209,21 +1215,23 @@ class ActivationDataset(Dataset):
         window_rows = min(max(0, int(window_rows)), n)
         if window_rows == 0:
             return
-        span = window_rows
-        if self._ids is not None:  # (a selection: its rows spread over the store rows between them)
-            ids = self._ids
-            spread = (int(ids.max()) - int(ids.min()) + 1) / ids.numel()
-            span = math.ceil(window_rows * spread)
-        else:
-            span = min(span, self._stop - self._start)
         fit = getattr(self.source, "fit_decoded_cache", None)
-        out = fit(self.hook_points, span, WINDOW_CACHE_MAX_BYTES) if callable(fit) else None
+        if not callable(fit):
+            return
+        memo: dict[int, int] = {}
+
+        def rows_of(chunk_rows: int) -> int:
+            if chunk_rows not in memo:
+                memo[chunk_rows] = self._window_chunk_rows(window_rows, chunk_rows)
+            return memo[chunk_rows]
+
+        out = fit(self.hook_points, rows_of, WINDOW_CACHE_MAX_BYTES)
         if out is None:
             return
         need, have, decoded, given = out
         mib = 1 << 20
         why = ("the size given" if given else
-               f"{WINDOW_CACHE_MAX_BYTES // mib} MiB is the most a dataset raises it to by itself, per process")
+               f"{WINDOW_CACHE_MAX_BYTES // mib} MiB is the most a dataset raises it to by itself")
         warn_at_caller(
             f"{sampler}: a window of {window_rows:,} rows of {decoded} (compressed or remote: read by decoding "
             f"chunks) needs about {-(-need // mib):,} MiB of decoded chunks, more than the store's cache of "
@@ -1231,6 +1239,48 @@ class ActivationDataset(Dataset):
             f"slower); open the dataset with open_options={{'cache_bytes': {need}}} (a store: open_store(..., "
             f"cache_bytes={need})), or read smaller windows (ChunkShuffleBatchSampler(..., buffer_rows=...))",
             RuntimeWarning)
+
+    def _window_chunk_rows(self, window_rows: int, chunk_rows: int) -> int:
+        """Rows of the whole chunks of ``chunk_rows`` rows that a shuffle window of
+        ``window_rows`` dataset rows decodes at most (all of the dataset's chunks for a window of
+        the whole dataset). A window of :class:`ChunkShuffleBatchSampler` is made of whole blocks
+        (:meth:`block_boundaries`: the chunks of the first hook point, for a compressed one) in
+        any order; each block decodes the chunks its store rows lie in, which for a hook point
+        of other chunks (another width) or a sparse or unsorted selection of rows are more rows
+        than its own. Bounded by the blocks that decode the most rows per dataset row, taken
+        first until they hold ``window_rows`` rows (the last one in part)."""
+        n, c = len(self), max(1, int(chunk_rows))
+        ids = self._ids
+        if ids is None:
+            if window_rows >= n:
+                return ((self._stop - 1) // c - self._start // c + 1) * c if n else 0
+            bounds = self.block_boundaries()
+            lo, hi = bounds[:-1] + self._start, bounds[1:] + self._start
+            chunks = torch.where(hi > lo, (hi - 1) // c - lo // c + 1, 0)
+        else:
+            chunk = ids // c
+            if window_rows >= n:
+                return int(torch.unique(chunk).numel()) * c
+            bounds = self.block_boundaries()
+            sizes = torch.diff(bounds)
+            block = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=torch.int64), sizes)
+            if bool((ids[1:] >= ids[:-1]).all()):  # (sorted: a block's chunks in order, a new one where it changes)
+                new = torch.ones(n, dtype=torch.bool)
+                new[1:] = (chunk[1:] != chunk[:-1]) | (block[1:] != block[:-1])
+                chunks = torch.bincount(block[new], minlength=sizes.numel())
+            else:  # (the chunks of each block, each once: (block, chunk) pairs made one key)
+                span = int(chunk.max()) + 1
+                chunks = torch.bincount(torch.unique(block * span + chunk) // span, minlength=sizes.numel())
+        sizes = torch.diff(bounds)
+        keep = sizes > 0
+        rows, sizes = (chunks[keep] * c).double(), sizes[keep].double()
+        ratio = rows / sizes
+        order = torch.argsort(ratio, descending=True, stable=True)
+        rows, sizes, ratio = rows[order], sizes[order], ratio[order]
+        held = torch.cumsum(sizes, 0)
+        k = min(int(torch.searchsorted(held, float(window_rows))), held.numel() - 1)
+        before = float(held[k - 1]) if k else 0.0
+        return math.ceil(float(rows[:k].sum()) + (window_rows - before) * float(ratio[k]))
 
     def block_boundaries(self) -> torch.Tensor:
         """Dataset positions where the store's segments (shards) begin, int64 ``(n_blocks + 1,)``.

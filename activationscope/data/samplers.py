@@ -305,8 +305,8 @@ class ShuffledBatchSampler(_BatchSampler):
     The permutation is ``torch.randperm(len, generator)`` seeded from ``(seed, epoch)``; every
     rank computes the same permutation and takes its contiguous part. Memory: 8 bytes per
     row for the permutation; built on an :class:`ActivationDataset` of compressed or remote
-    rows, the store's cache of decoded chunks is raised to hold them all, up to 1 GiB per
-    process, or a ``RuntimeWarning`` says why not (:meth:`ActivationDataset.fit_cache_to_window`).
+    rows, the store's cache of decoded chunks is raised to hold them all, up to 1 GiB (in
+    each process), or a ``RuntimeWarning`` says why not (:meth:`ActivationDataset.fit_cache_to_window`).
 
     Parameters
     ----------
@@ -372,8 +372,8 @@ class ChunkShuffleBatchSampler(_BatchSampler):
     slices of), whatever the dataset's length; the first batch comes after one window is
     built (a few milliseconds for 65536 rows). Built on an :class:`ActivationDataset` of
     compressed or remote rows (read by decoding chunks), the store's cache of decoded chunks
-    is raised to hold one window, so that each chunk is decoded once an epoch, up to 1 GiB
-    per process, or a ``RuntimeWarning`` says why not and what a window needs
+    is raised to hold one window, so that each chunk is decoded once a window that reads it,
+    up to 1 GiB (in each process), or a ``RuntimeWarning`` says why not and what a window needs
     (:meth:`ActivationDataset.fit_cache_to_window`).
 
     Parameters

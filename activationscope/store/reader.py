@@ -3002,6 +3002,10 @@ class Store:
             extra = []
         with self._lock:
             self._prefetched[hook_point] = self._prefetched.get(hook_point, frozenset()) | set(extra)
+            # (a chunk between them that is cached or on its way already: its bytes come with the
+            # run, but it is not decoded again)
+            extra = [c for c in extra if (meta["path"], c, mid) not in self._cache
+                     and (meta["path"], c, mid) not in self._inflight]
         for c in sorted([*wanted, *extra]):
             self._chunk_future(hook_point, meta, c, _Run.future(runs, c))
 
