@@ -1194,11 +1194,11 @@ class ActivationDataset(Dataset):
         whole dataset) call it when built on this dataset.
 
         The cache (default 64 MiB) is raised, here and in DataLoader workers, up to
-        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per store a dataset opened, in each process), when its size was not given
-        (``open_options={"cache_bytes": ...}``, a store opened by the caller, or an ``opener=``
-        in ``open_options``, which opens the store as it says). Otherwise,
-        when the window needs more, warns (``RuntimeWarning``) naming the bytes it needs and
-        the fix: batches then decode chunks again, up to one per row.
+        :data:`WINDOW_CACHE_MAX_BYTES` (1 GiB per store a dataset opened, in each process),
+        when its size was not given (``open_options={"cache_bytes": ...}``, a store opened by
+        the caller, or an ``opener=`` in ``open_options``, which opens the store as it says).
+        Otherwise, when the window needs more, warns (``RuntimeWarning``) naming the bytes it
+        needs and the fix: batches then decode chunks again, up to one per row.
 
         Parameters
         ----------
