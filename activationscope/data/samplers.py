@@ -202,6 +202,19 @@ class _BatchSampler(Sampler[list[int]]):
         self.even = parse_flag(even, "even")
         self.epoch = 0
         self._warn_uneven_batches()
+        if self._window_is_all:
+            self._fit_cache(self.n)
+
+    #: Whether the order is one shuffle of every row (its window: the whole dataset).
+    _window_is_all = False
+
+    def _fit_cache(self, window_rows: int) -> None:
+        """Of an ActivationDataset's compressed or remote rows: a cache of decoded chunks that
+        holds a window of ``window_rows`` rows, up to a bound, or a warning
+        (:meth:`ActivationDataset.fit_cache_to_window`)."""
+        fit = getattr(self.data_source, "fit_cache_to_window", None)
+        if callable(fit) and self.n:
+            fit(window_rows, type(self).__name__)
 
     def _warn_uneven_batches(self) -> None:
         """Warn when the ranks do not all read the same number of batches per epoch (parts of
@@ -321,25 +334,7 @@ class ShuffledBatchSampler(_BatchSampler):
         Dataset positions of one batch.
     """
 
-    def __init__(
-        self,
-        data_source: Any,
-        batch_size: int,
-        *,
-        drop_last: bool = False,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        even: bool = False,
-    ) -> None:
-        super().__init__(
-            data_source, batch_size, drop_last=drop_last, seed=seed, rank=rank, world_size=world_size, even=even
-        )
-        # (an ActivationDataset's compressed or remote rows: a cache of decoded chunks that holds
-        # them all, up to a bound, or a warning: ActivationDataset.fit_cache_to_window)
-        fit = getattr(data_source, "fit_cache_to_window", None)
-        if callable(fit):
-            fit(self.n, type(self).__name__)
+    _window_is_all = True  # (its one window: every row)
 
     def _order(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
@@ -429,9 +424,8 @@ class ChunkShuffleBatchSampler(_BatchSampler):
         # a window holds at most buffer_rows - 1 rows and the block that fills it: of an
         # ActivationDataset's compressed or remote rows, a cache of decoded chunks that holds
         # one, up to a bound, or a warning (ActivationDataset.fit_cache_to_window)
-        fit = getattr(data_source, "fit_cache_to_window", None)
-        if callable(fit) and self.n:
-            fit(min(self.n, buffer_rows - 1 + int(self.block_sizes.max())), type(self).__name__)
+        if self.n:
+            self._fit_cache(min(self.n, buffer_rows - 1 + int(self.block_sizes.max())))
 
     def _windows(self, a: int, b: int) -> Iterator[tuple[int, np.ndarray | None]]:
         """The epoch's order one window at a time: ``(window's first position in the order,
