@@ -8,7 +8,8 @@
 #   PY                 python to use (default: .venv/bin/python if present, else python3, else python)
 #   OUT                folder for the JSON and the logs (default: benchmark/results)
 #   WHEELS             folder of wheels to install first when it holds any (default: .whl)
-#   ACS_SITE           where those wheels are installed, put on PYTHONPATH (default: a new temporary folder)
+#   ACS_SITE           where those wheels are installed, put on PYTHONPATH (default: a new temporary folder
+#                      in $TMPDIR, removed at exit)
 #   ACS_GPU_DRY_RUN=1  run every step on the CPU except those that need CUDA: the wheel install,
 #                      the build, the collection of the gpu-marked tests (they skip without
 #                      CUDA) and the benchmark script with --device cpu and small sizes; proves
@@ -69,13 +70,19 @@ summary() {  # at exit, whatever the cause: one line per step, and the same as J
   printf '{"exit_status": %s, "dry_run": %s, "steps": [%s]}\n' "$status" "$([ "$DRY" = 1 ] && echo true || echo false)" \
     "$json" >"$OUT/gpu-steps-$STAMP.json"
   echo "  (also $OUT/gpu-steps-$STAMP.json)"
+  [ -z "${MADE_SITE:-}" ] || rm -rf "$MADE_SITE"
 }
 trap summary EXIT
 
 step python "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>&1))$([ "$DRY" = 1 ] && echo ', dry run on the CPU')"
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  SITE=${ACS_SITE:-$(mktemp -d /tmp/acs-site.XXXXXX)}
+  if [ -n "${ACS_SITE:-}" ]; then
+    SITE=$ACS_SITE
+  else  # (made here: removed at exit, by summary)
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/acs-site.XXXXXX")
+    MADE_SITE=$SITE
+  fi
   n_wheels=$(find "$WHEELS" -maxdepth 1 -name '*.whl' | wc -l)
   step wheels "install $n_wheels wheels of $WHEELS into $SITE"
   timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

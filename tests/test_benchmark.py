@@ -752,8 +752,13 @@ def test_gpu_check_stops_at_a_failed_wheel_install_with_a_summary(tmp_path):
     wheels = tmp_path / "whl"
     wheels.mkdir()
     (wheels / "bogus-1.0-py3-none-any.whl").write_text("not a wheel")
-    proc, out = _run_gpu_check(tmp_path, WHEELS=str(wheels))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc, out = _run_gpu_check(tmp_path, WHEELS=str(wheels), TMPDIR=str(tmp))
     assert proc.returncode != 0
+    site = re.search(r"install 1 wheels of \S+ into (\S+)", proc.stdout).group(1)
+    assert Path(site).parent == tmp and not os.path.exists(site)  # (made by the script in TMPDIR: removed at exit)
+    assert list(tmp.iterdir()) == []
     steps = json.loads(next(out.glob("gpu-steps-*.json")).read_text())
     assert [s["step"] for s in steps["steps"]] == ["python", "wheels"]
     assert steps["steps"][-1]["exit_status"] == steps["exit_status"] != 0
