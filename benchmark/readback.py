@@ -355,14 +355,15 @@ class Loader:
         self.ds, self.n_rows, self.collate = _dataset(self.dataset, self.ctx)
         if self.dataset == "acs_zstd" and self.kind != "sequential":
             # as a sampler built on it does (ActivationDataset.fit_cache_to_window): its cache of
-            # decoded chunks raised to hold a window of the batches' order (drawn over the
-            # uncompressed store's shards: 65,536 rows and the shard that fills the window),
-            # the whole layer for a global shuffle
+            # decoded chunks raised to hold a window of the batches' order (drawn by the sampler
+            # of batches() over the uncompressed store's shards), the whole layer for a global shuffle
             if self.kind == "shuffled":
                 window = self.n_rows
             else:
+                from activationscope.data import ChunkShuffleBatchSampler
+
                 raw, _n, _c = _dataset("acs", self.ctx)
-                window = 65536 - 1 + int(torch.diff(raw.block_boundaries()).max())
+                window = ChunkShuffleBatchSampler(raw, batch_size=self.params["batch_size"], seed=0).window_rows
             self.ds.fit_cache_to_window(window, f"read-back {self.kind}")
         hps = getattr(self.ds, "hook_points", None)
         self.key = hps[0] if hps and len(hps) == 1 else None  # an ActivationDataset's batches: dicts

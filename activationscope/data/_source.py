@@ -396,7 +396,7 @@ class StoreSource:
         have = int(store._cache_bytes)
         if not decoded or need <= have:
             return None
-        given = bool(getattr(self, "_cache_given", True))
+        given = self._cache_given
         if given or need > most:
             return need, have, decoded, given
         with self._lock:  # (no reader takes the options meanwhile: a worker pickled now gets these)

@@ -424,8 +424,10 @@ class ChunkShuffleBatchSampler(_BatchSampler):
         # a window holds at most buffer_rows - 1 rows and the block that fills it: of an
         # ActivationDataset's compressed or remote rows, a cache of decoded chunks that holds
         # one, up to a bound, or a warning (ActivationDataset.fit_cache_to_window)
+        #: The most rows a window holds (the whole dataset at most).
+        self.window_rows = min(self.n, buffer_rows - 1 + int(self.block_sizes.max())) if self.n else 0
         if self.n:
-            self._fit_cache(min(self.n, buffer_rows - 1 + int(self.block_sizes.max())))
+            self._fit_cache(self.window_rows)
 
     def _windows(self, a: int, b: int) -> Iterator[tuple[int, np.ndarray | None]]:
         """The epoch's order one window at a time: ``(window's first position in the order,

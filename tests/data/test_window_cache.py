@@ -73,6 +73,8 @@ def test_a_shuffled_epoch_of_compressed_rows_decodes_each_chunk_once(tmp_path, s
         sampler = (ChunkShuffleBatchSampler(ds, 32, buffer_rows=1024, seed=3) if kind == "chunk"
                    else ShuffledBatchSampler(ds, 32, seed=3))
     window = min(N, 1024 - 1 + CHUNK) if kind == "chunk" else N  # (blocks of a compressed array: its chunks)
+    if kind == "chunk":
+        assert sampler.window_rows == window
     want = min(window + 2 * CHUNK, N) * ROW
     store = ds.source.store
     assert store._cache_bytes == want and store.open_options()["cache_bytes"] == want
